@@ -1,0 +1,52 @@
+"""What every command shares: the console, user-error handling (exit 2) and common options."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+
+from cs3ray.errors import UserError
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable)
+
+# Shared options, defined once (as skypilot's flags.py does).
+AddressOpt = typer.Option(None, "--address", envvar="RAY_ADDRESS",
+                          help="Ray cluster address (host:port or ray://...); default: an embedded local cluster.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout.")
+OverridesArg = typer.Argument(None, help="Dotted overrides such as train.lr=3e-4 cluster.workers=2.",
+                              show_default=False)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one line to stderr and exit."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def user_errors(fn: F) -> F:
+    """Turn UserError into one line on stderr and exit code 2, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            fail(str(exc), 2)
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130)
+    return wrapper  # type: ignore[return-value]
+
+
+def overrides_list(values: Optional[list[str]]) -> list[str]:
+    return list(values or [])
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,29 @@
+"""`cs3 generate`: sample text from a trained run or checkpoint."""
+
+from __future__ import annotations
+
+import typer
+
+from cs3ray.ckpt import load_for_inference
+from cs3ray.models.generate import SamplingParams, generate_text
+
+from .common import console, user_errors
+
+
+@user_errors
+def generate(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL."),
+             prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
+             max_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
+             temperature: float = typer.Option(0.8, min=0.0, help="0 means greedy."),
+             top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0: all)."),
+             top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass."),
+             seed: int = typer.Option(None, help="Seed for reproducible sampling.")) -> None:
+    """Continue PROMPT with the newest checkpoint of RUN."""
+    loaded = load_for_inference(run)
+    budget = loaded.model.args.max_seq_len - len(loaded.tokenizer.encode(prompt)) - 1
+    if budget <= 0:
+        raise typer.BadParameter(f"the prompt is longer than the model's context ({loaded.model.args.max_seq_len} tokens)")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_tokens=min(max_tokens, budget), seed=seed)
+    text = generate_text(loaded.model, loaded.tokenizer, prompt, params)
+    console.print(prompt + text, highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,28 @@
+"""The `cs3` application: one typer group per file, joined here."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from . import config_cmd, data_cmd
+from .generate_cmd import generate
+from .train_cmd import train_cmd
+
+app = typer.Typer(help="cs3ray: elastic training and serving of PyTorch models on Ray.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app.command("train")(train_cmd)
+app.command("generate")(generate)
+app.add_typer(config_cmd.app, name="config")
+app.add_typer(data_cmd.app, name="data")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Checkpoint manifests: the file list with sizes and sha256, written last.
+
+A checkpoint folder without a valid manifest does not exist as far as cs3ray is concerned, so
+a crash half-way through a save can never be mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from cs3ray.errors import UserError
+from cs3ray.storage import Storage
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete or corrupt; the message names it."""
+
+
+def sha256_of(storage: Storage, name: str) -> tuple[int, str]:
+    """(size, sha256) of one file, streamed so large shards never sit in memory twice."""
+    h = hashlib.sha256()
+    size = 0
+    with storage.open(name) as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_manifest(folder: Storage, step: int, world_size: int, extra: dict[str, Any]) -> dict:
+    """Checksum every file in `folder` and commit the manifest (atomically, last)."""
+    files = {}
+    for name in folder.ls():
+        if name == MANIFEST or ".tmp-" in name:
+            continue
+        size, digest = sha256_of(folder, name)
+        files[name] = {"size": size, "sha256": digest}
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
+                "created": time.time(), "files": files, **extra}
+    folder.write_text(json.dumps(manifest, indent=1, sort_keys=True), MANIFEST)
+    return manifest
+
+
+def read_manifest(folder: Storage) -> dict:
+    """The manifest of a checkpoint folder, or CheckpointError when it is absent or unreadable."""
+    if not folder.exists(MANIFEST):
+        raise CheckpointError(f"'{folder.url}' has no {MANIFEST}: it is not a complete checkpoint.")
+    try:
+        manifest = json.loads(folder.read_text(MANIFEST))
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(f"'{folder.url}' has checkpoint format {manifest['format_version']}; "
+                                  f"this cs3ray reads format {FORMAT_VERSION}.")
+        manifest["files"], manifest["step"]  # noqa: B018 - required keys
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"'{folder.url}/{MANIFEST}' is corrupt.") from None
+    return manifest
+
+
+def verify(folder: Storage, manifest: dict | None = None) -> dict:
+    """Check every file's size and sha256 against the manifest before anything reads it."""
+    manifest = manifest or read_manifest(folder)
+    present = set(folder.ls())
+    for name, meta in sorted(manifest["files"].items()):
+        if name not in present:
+            raise CheckpointError(f"checkpoint '{folder.url}' is missing '{name}'.")
+        size, digest = sha256_of(folder, name)
+        if size != meta["size"] or digest != meta["sha256"]:
+            raise CheckpointError(f"checkpoint file '{folder.url}/{name}' does not match its checksum "
+                                  f"(corrupt or truncated).")
+    return manifest

@@ -1,0 +1,138 @@
+"""YAML loading, dotted overrides and one-line error messages for job configs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from cs3ray.errors import UserError
+
+from .schema import JobConfig
+
+
+class ConfigError(UserError):
+    """A config the user wrote or typed is wrong; the message names the field and the fix."""
+
+
+def _describe_allowed(model: type[BaseModel], path: list[str]) -> str:
+    """The field names allowed at `path`, to suggest when a key is unknown."""
+    for key in path:
+        field = model.model_fields.get(key)
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    return ", ".join(model.model_fields)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    """The first validation error as one sentence: where, what value, what is allowed."""
+    e = err.errors()[0]
+    loc = [str(p) for p in e["loc"]]
+    where = ".".join(loc) or "config"
+    if e["type"] == "extra_forbidden":
+        allowed = _describe_allowed(JobConfig, loc[:-1])
+        return f"{source}: unknown field '{where}' (allowed here: {allowed})."
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if e["type"] in ("value_error",) and not loc:
+        return f"{source}: {msg}."
+    value = e.get("input")
+    shown = json.dumps(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    return f"{source}: {where}={shown} is invalid: {msg}."
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 0.0003); values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.field=value (e.g. train.lr=3e-4).")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override '{text}' has an empty field name.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """Set each dotted override in a nested dict (a copy), creating sections as needed."""
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{p}' is a value, not a section.")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping, refusing a missing file or malformed YAML with one sentence."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist.")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must be a mapping of sections, not a {type(data).__name__}.")
+    return data
+
+
+def build_config(data: dict, source: str = "config") -> JobConfig:
+    """Validate a dict into a JobConfig, with one-line errors."""
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> JobConfig:
+    """Load a YAML job config (or the defaults when path is None) and apply dotted overrides."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides)
+    return build_config(data, source=str(path) if path is not None else "config")
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    """The resolved config as YAML, as written into run directories and checkpoints."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_hash(cfg: JobConfig) -> str:
+    """A short stable hash of the resolved config."""
+    return hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def explain(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every field, sections expanded."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        dotted = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(explain(ann, dotted + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        rows.append((dotted, json.dumps(default), field.description or ""))
+    return rows

@@ -1,0 +1,149 @@
+"""The schema of a cs3ray job. Every field's description is its `cs3 config explain` line."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cs3ray.models import PRESETS, ModelArgs
+
+
+class Section(BaseModel):
+    """Strict base: unknown keys and silent type coercion from strings are refused."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    preset: Literal["tiny", "small", "7b", "70b", "400b"] | None = Field(
+        "tiny", description="Named model shape; fields set below override the preset's values.")
+    target: str | None = Field(
+        None, description="Your own model factory 'pkg.module:build', called with the model section as a dict.")
+    dim: int | None = Field(None, ge=8, description="Width of the residual stream.")
+    n_layers: int | None = Field(None, ge=1, description="Number of transformer blocks.")
+    n_heads: int | None = Field(None, ge=1, description="Attention heads (dim must divide evenly).")
+    n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads for grouped-query attention (default: n_heads).")
+    ffn_dim: int | None = Field(None, ge=8, description="Hidden width of the SwiGLU MLP.")
+    vocab_size: int | None = Field(None, ge=259, description="Vocabulary size (the byte tokenizer needs at least 259).")
+    max_seq_len: int | None = Field(None, ge=8, description="Longest context the model supports (RoPE table length).")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
+    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output projection.")
+
+    @field_validator("target")
+    @classmethod
+    def _target_form(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+            raise ValueError("must look like 'package.module:function'")
+        return v
+
+    def args(self) -> ModelArgs:
+        """The resolved shape: the preset's values with explicit fields on top."""
+        base = PRESETS[self.preset or "tiny"].to_dict()
+        for key in base:
+            value = getattr(self, key, None)
+            if value is not None:
+                base[key] = value
+        args = ModelArgs(**base)
+        if args.dim % args.n_heads:
+            raise ValueError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}")
+        if args.n_heads % args.kv_heads:
+            raise ValueError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.kv_heads}")
+        if (args.dim // args.n_heads) % 2:
+            raise ValueError(f"head size dim/n_heads={args.dim // args.n_heads} must be even for rotary embeddings")
+        return args
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "python-stdlib",
+        description="Corpus: 'python-stdlib' (the text files of this Python installation), a local dir, "
+                    "a file, or an fsspec URL of text / parquet / jsonl files.")
+    format: Literal["auto", "text", "parquet", "jsonl"] = Field(
+        "auto", description="How to read the source; 'auto' goes by file extension.")
+    text_column: str = Field("text", description="Column holding the text in parquet/jsonl sources.")
+    max_bytes: int = Field(32_000_000, ge=1_000, description="Read at most this many bytes of the corpus.")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5, description="Share of samples held out for validation.")
+    samples_per_shard: int = Field(2048, ge=16, description="Samples (seq_len+1 tokens each) per parquet shard.")
+    cache_dir: str = Field(".cs3/shards", description="Where prepared shards are cached, keyed by the source's hash.")
+    seed: int = Field(0, description="Seed of the train/validation split.")
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, ge=1, description="Optimizer steps to run.")
+    lr: float = Field(3e-3, gt=0, le=1, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr (cosine decay).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    batch_size: int = Field(16, ge=1, description="Micro-batch size per worker, in sequences.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    seq_len: int = Field(128, ge=8, description="Training sequence length in tokens.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to norms).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    clip: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables clipping.")
+    seed: int = Field(0, description="Seed for weights and data order.")
+    eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
+    eval_batches: int = Field(8, ge=1, description="Validation batches per pass (split over workers).")
+    log_every: int = Field(10, ge=1, description="Steps between metric reports.")
+
+
+class ParallelConfig(Section):
+    strategy: Literal["ddp"] = Field("ddp", description="How parameters are distributed: ddp replicates them.")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=1, description="Steps between checkpoints (one is always taken at the end).")
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+
+
+class ClusterConfig(Section):
+    workers: int = Field(2, ge=1, description="Training worker actors (one per rank).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs each worker reserves; it also sets torch's threads.")
+    use_gpu: bool = Field(False, description="Give each worker one GPU and use nccl.")
+    num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of the embedded Ray cluster (default: enough for workers, data and serving).")
+
+
+class RunConfig(Section):
+    name: str = Field("tiny", description="Run name; the run directory defaults to runs/<name>.")
+    dir: str | None = Field(None, description="Run directory: a local path or any fsspec URL (default runs/<name>).")
+
+    @field_validator("name")
+    @classmethod
+    def _name_form(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' only")
+        return v
+
+    def path(self) -> str:
+        """The run directory (URL or local path)."""
+        return self.dir or f"runs/{self.name}"
+
+
+class StorageConfig(Section):
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options used for every URL (e.g. key, secret, client_kwargs.endpoint_url).")
+
+
+class JobConfig(Section):
+    """A whole training job."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus and shards.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Compute precision: bf16/fp16 autocast with fp32 master weights, or fp32.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray cluster and workers.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Run naming and location.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Storage access.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        args = self.model.args()
+        if self.train.seq_len > args.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
+        return self

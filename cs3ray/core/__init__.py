@@ -1,0 +1,1 @@
+"""The compute core run inside each worker: precision, parallelism, optimizer, train step."""

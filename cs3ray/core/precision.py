@@ -1,0 +1,76 @@
+"""Mixed precision: low-precision compute under autocast, fp32 master weights, loss scaling.
+
+Parameters and optimizer state always stay fp32 (the "master weights"); autocast runs the
+matmuls in bf16/fp16. fp16's narrow exponent needs dynamic loss scaling; bf16 does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matmuls run in for a precision name."""
+    return DTYPES[precision]
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device: torch.device) -> Iterator[None]:
+    """Autocast for bf16/fp16; a no-op for fp32."""
+    if precision == "fp32":
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=DTYPES[precision]):
+        yield
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: skip the step on inf/nan and back off, grow after clean steps.
+
+    A disabled scaler (bf16/fp32) passes everything through, so the train step has one shape.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 200,
+                 backoff: float = 0.5, growth: float = 2.0) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval, self.backoff, self.growth = growth_interval, backoff, growth
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
+        """Divide gradients by the scale; return False (skip the step) when any is inf/nan.
+
+        Every rank sees the same all-reduced gradients, so they all take the same decision.
+        """
+        if not self.enabled:
+            return True
+        grads = [p.grad for p in params if p.grad is not None]
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if finite:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= self.growth
+                self.clean_steps = 0
+        else:
+            self.scale *= self.backoff
+            self.clean_steps = 0
+            self.skipped += 1
+        return finite
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps, self.skipped = state["scale"], state["clean_steps"], state["skipped"]

@@ -1,0 +1,59 @@
+"""Connect to a Ray cluster: an embedded local one by default, or an existing one by address."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from cs3ray.errors import UserError
+
+
+class ClusterError(UserError):
+    """The Ray cluster named by --address / RAY_ADDRESS cannot be reached."""
+
+
+def _enable_token_auth() -> None:
+    # `ray start --head` in Ray 2.60 turns on token auth and writes the token here; a client on
+    # the same machine can use it without the user exporting anything.
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
+    """Logical CPUs for an embedded cluster: the workers, plus room for data tasks and a replica.
+
+    Logical CPUs are a scheduling budget, not cores, so over-declaring lets training workers,
+    Ray Data read tasks and a serve replica coexist on a 2-core laptop.
+    """
+    return max(os.cpu_count() or 1, int(workers * cpus_per_worker + 0.999) + 3)
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False) -> Iterator[str]:
+    """Yield the address of a connected Ray cluster; an embedded one is shut down on exit."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        yield ray.get_runtime_context().gcs_address
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    embedded = address is None
+    try:
+        if embedded:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
+                     configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
+        else:
+            _enable_token_auth()
+            ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"the Ray cluster at '{address}'" if address else "an embedded Ray cluster"
+        raise ClusterError(f"cannot connect to {where}: {first}. "
+                           "Check --address / RAY_ADDRESS, or start one with `ray start --head`.") from None
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -1,0 +1,179 @@
+"""The driver side of a training run: prepare data, start Ray Train, follow progress, summarise."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from cs3ray.ckpt import list_steps, step_dir
+from cs3ray.config import JobConfig, to_yaml
+from cs3ray.data import ShardSpec, ensure_shards
+from cs3ray.data.stream import train_dataset
+from cs3ray.errors import UserError
+from cs3ray.ops.cluster import default_num_cpus, ray_cluster
+from cs3ray.ops.metrics import EventLog
+from cs3ray.storage import Storage, open_url
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+class TrainingError(RuntimeError):
+    """The workers failed (not the user's input): carries the worker's own error message."""
+
+
+def _run_has_content(run: Storage) -> bool:
+    return bool(run.exists() and (run.ls() and (run.exists("config.yaml") or list_steps(run))))
+
+
+def prepare_run_dir(cfg: JobConfig, resume: bool, overwrite: bool) -> Storage:
+    """Check --resume/--overwrite against what the run directory holds, and clear it if asked."""
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite exclude each other; pick one.")
+    run = open_url(cfg.run.path(), cfg.storage.options)
+    taken = _run_has_content(run)
+    if taken and not (resume or overwrite):
+        raise UserError(f"run '{cfg.run.name}' already exists at '{run.url}': pass --resume to continue it "
+                        f"or --overwrite to start it over (or choose another --name).")
+    if resume and not taken:
+        raise UserError(f"nothing to resume: run '{cfg.run.name}' has no checkpoint at '{run.url}'.")
+    if overwrite and run.exists():
+        run.rm()
+    run.makedirs()
+    return run
+
+
+def prepare_data(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Storage, dict]:
+    """Shards for the job's corpus, from the cache or made now (reported as 'prepare' events)."""
+    d = cfg.data
+    spec = ShardSpec(cfg.train.seq_len, d.samples_per_shard, d.val_fraction, d.max_bytes, d.seed)
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        if on_event:
+            on_event({"event": "prepare", "bytes": done[0], "total": d.max_bytes})
+
+    return ensure_shards(d.source, d.cache_dir, spec, d.format, d.text_column, cfg.storage.options, progress)
+
+
+def _scaling(cfg: JobConfig):
+    from ray.train import ScalingConfig
+
+    c = cfg.cluster
+    return ScalingConfig(num_workers=c.workers, use_gpu=c.use_gpu,
+                         resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})})
+
+
+def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -> dict[str, Any]:
+    """The run summary written to summary.json and printed by the CLI."""
+    end = next((e for e in reversed(events) if e["event"] == "end"), {})
+    progress = [e for e in events if e["event"] == "progress"]
+    # The first window includes start-up and compilation, so leave it out of the rate when we can.
+    steady = progress[1:] or progress
+    tps = sum(e["tokens_per_s"] for e in steady) / len(steady) if steady else 0.0
+    steps = list_steps(run)
+    return {
+        "run": cfg.run.name, "steps": end.get("step", 0), "initial_val_loss": end.get("initial_val_loss"),
+        "final_val_loss": end.get("val_loss"), "tokens_per_s": round(tps, 1),
+        "tokens_seen": end.get("tokens_seen", 0), "workers": cfg.cluster.workers,
+        "precision": cfg.precision, "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
+        "checkpoint": run.child(step_dir(steps[-1])).url if steps else None, "wall_s": round(wall_s, 1),
+        "final_loss": progress[-1]["loss"] if progress else None,
+    }
+
+
+def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address: str | None = None,
+          on_event: EventSink | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run a training job end to end and return its summary (also written to summary.json).
+
+    The first SIGINT asks the workers to checkpoint and stop at the next step; a second one
+    aborts without waiting.
+    """
+    import ray
+    from ray.train import RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .loop import train_loop_per_worker
+    from .monitor import RunMonitor
+
+    started = time.time()
+    run = prepare_run_dir(cfg, resume, overwrite)
+    shards, manifest = prepare_data(cfg, on_event)
+    run.write_text(to_yaml(cfg), "config.yaml")
+    log = EventLog(run)
+    num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.workers, cfg.cluster.cpus_per_worker)
+    with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
+        monitor = RunMonitor.remote()
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards.url,
+                               "resume": resume, "monitor": monitor},
+            scaling_config=_scaling(cfg),
+            torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+            run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}"),
+            datasets={"train": train_dataset(shards, manifest, cfg.train.seed)},
+        )
+        outcome: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=fit, name="cs3-fit", daemon=True)
+        interrupts = [0]
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame) -> None:
+                interrupts[0] += 1
+                if interrupts[0] == 1:
+                    monitor.request_stop.remote()
+                    if on_event:
+                        on_event({"event": "stopping"})
+                else:
+                    raise KeyboardInterrupt
+            previous = signal.signal(signal.SIGINT, on_sigint)
+        events: list[dict] = []
+        try:
+            thread.start()
+            while thread.is_alive():
+                thread.join(timeout=0.25)
+                events += _drain(monitor, len(events), log, on_event)
+            events += _drain(monitor, len(events), log, on_event)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            log.flush()
+        if "error" in outcome:
+            raise TrainingError(_worker_error(outcome["error"])) from None
+        ray.kill(monitor)
+    summary = summarize(cfg, run, events, time.time() - started)
+    run.write_text(json.dumps(summary, indent=1), "summary.json")
+    return summary
+
+
+def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None) -> list[dict]:
+    import ray
+
+    new = ray.get(monitor.events_since.remote(start))
+    for e in new:
+        log.add(e)
+        if on_event:
+            on_event(e)
+    if new:
+        log.flush()
+    return new
+
+
+def _worker_error(exc: BaseException) -> str:
+    """The most useful line of a Ray Train failure: the worker's own exception."""
+    text = str(exc)
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "Exception" in line:
+            return line.strip()
+    return lines[-1].strip() if lines else type(exc).__name__
