@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from . import config_cmd, data_cmd
+from . import bench_cmd, config_cmd, data_cmd
 from .generate_cmd import generate
 from .train_cmd import train_cmd
 
@@ -16,6 +16,7 @@ app.command("train")(train_cmd)
 app.command("generate")(generate)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
+app.add_typer(bench_cmd.app, name="bench")
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from cs3ray.core.optim import build_optimizer, lr_factor, set_lr
 from cs3ray.core.parallel import apply_ddp
 from cs3ray.core.precision import LossScaler, autocast
 from cs3ray.data.shards import read_manifest, read_split
-from cs3ray.data.stream import worker_batches
+from cs3ray.data.stream import TrainStream
 from cs3ray.models import ByteTokenizer, train_flops_per_token
 from cs3ray.models.factory import count_parameters, model_from_config
 from cs3ray.storage import open_url
@@ -35,7 +35,7 @@ class Progress:
     tokens_seen: int = 0
     initial_val_loss: float | None = None
     val_loss: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    data_position: dict[str, Any] | None = None
 
 
 def _all_reduce(values: list[float], device: torch.device) -> list[float]:
@@ -67,6 +67,7 @@ class Worker:
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.ckpt = CheckpointManager(run_url, cfg.storage.options, cfg.checkpoint.keep)
         self.progress = Progress()
+        self.stream: TrainStream | None = None
         if resume and self.ckpt.latest() is not None:
             self._restore()
         torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
@@ -92,7 +93,8 @@ class Worker:
         step, meta, rank_state = self.ckpt.load(state)
         ckpt_state.restore(self.model, self.optimizer, state)
         self.progress = Progress(step=step, tokens_seen=meta["tokens_seen"],
-                                 initial_val_loss=meta.get("initial_val_loss"), val_loss=meta.get("val_loss"))
+                                 initial_val_loss=meta.get("initial_val_loss"), val_loss=meta.get("val_loss"),
+                                 data_position=meta.get("data"))
         self.scaler.load_state_dict(meta["scaler"])
         if rank_state is not None:
             ckpt_state.set_rng_state(rank_state)
@@ -146,6 +148,7 @@ class Worker:
         p = self.progress
         meta = {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
                 "val_loss": p.val_loss, "scaler": self.scaler.state_dict(), "world_size": self.world,
+                "data": self.stream.state() if self.stream is not None else p.data_position,
                 "strategy": self.cfg.parallel.strategy, "precision": self.cfg.precision}
         files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
         t0 = time.perf_counter()
@@ -163,7 +166,8 @@ class Worker:
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
             self._event("eval", step=p.step, val_loss=p.val_loss)
-        batches = worker_batches(t.batch_size, t.seed + p.step)
+        self.stream = TrainStream(t.batch_size, t.seed, p.data_position)
+        batches = self.stream
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
         while p.step < t.steps:

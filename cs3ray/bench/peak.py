@@ -1,0 +1,44 @@
+"""`cs3 bench peak`: the measured matmul peak of this device with a given thread count.
+
+MFU is only honest against a peak measured on the same machine with the same threads, so
+this times large square GEMMs (the best case for any kernel library) in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_peak(dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 2.0,
+                 device: str = "cpu") -> float:
+    """Best sustained FLOP/s of (size x size) @ (size x size) in `dtype`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        for _ in range(3):  # warm up kernels and caches
+            a @ b
+        best = 0.0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 4 * 2 * size**3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def run(threads: int, quick: bool = False, device: str = "cpu") -> dict:
+    """Peak FLOP/s in fp32 and bf16 (and their ratio)."""
+    size, seconds = (1024, 0.5) if quick else (2048, 2.0)
+    fp32 = measure_peak(torch.float32, threads, size, seconds, device)
+    bf16 = measure_peak(torch.bfloat16, threads, size, seconds, device)
+    return {"threads": threads, "device": device, "fp32_flops": fp32, "bf16_flops": bf16,
+            "bf16_over_fp32": bf16 / fp32}

@@ -1,0 +1,73 @@
+"""Start and stop real Ray head nodes for tests, without touching any other Ray on the machine.
+
+`ray start --head --block` keeps the node's processes as its children; terminating it stops
+exactly that node (a plain `ray stop` would kill every Ray cluster on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class HeadNode:
+    proc: subprocess.Popen
+    address: str
+    dashboard_url: str
+
+    def env(self) -> dict[str, str]:
+        """Environment for clients of this node (token auth as `ray start` set it up)."""
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address)
+        if (Path.home() / ".ray" / "auth_token").exists():
+            env["RAY_AUTH_MODE"] = "token"
+        return env
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | None = None,
+               timeout: float = 90) -> HeadNode:
+    """A head node on 127.0.0.1 with free ports; returns once it accepts connections."""
+    port, dash = free_port(), free_port()
+    cmd = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+           f"--num-cpus={num_cpus}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", "--disable-usage-stats", *(extra or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}")
+    deadline = time.time() + timeout
+    import urllib.error
+    import urllib.request
+
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        try:
+            # The job API answers once the dashboard (and so the GCS) is up.
+            urllib.request.urlopen(f"{node.dashboard_url}/api/version", timeout=2)
+            return node
+        except urllib.error.HTTPError:
+            return node  # it answered (token auth may refuse the request itself)
+        except OSError:
+            time.sleep(1)
+    node.stop()
+    raise RuntimeError("ray head node did not come up in time")

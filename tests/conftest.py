@@ -1,0 +1,74 @@
+"""Shared fixtures: one real Ray head per test session, a real S3 endpoint (moto server), CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from cluster_harness import HeadNode, free_port, start_head  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> HeadNode:
+    """One `ray start --head` on 127.0.0.1 for the whole session; CLI tests reach it with --address."""
+    node = start_head(num_cpus=8)
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_client(ray_head):
+    """This test process connected to the session's head node (for in-process API tests)."""
+    import ray
+
+    os.environ.update({k: v for k, v in ray_head.env().items() if k.startswith("RAY_")})
+    if not ray.is_initialized():
+        ray.init(address=ray_head.address, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def run_cs3(args: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 600,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """Run the installed `cs3` console script as a user would."""
+    proc = subprocess.run(["cs3", *args], env=env or dict(os.environ), cwd=cwd or ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"cs3 {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol endpoint on 127.0.0.1 (moto in server mode, in a subprocess).
+
+    Yields (endpoint_url, storage_options); a bucket named 'cs3' exists.
+    """
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.1)
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
+    import s3fs
+
+    s3fs.S3FileSystem(**options).mkdir("cs3")
+    yield url, options
+    proc.terminate()
+    proc.wait(timeout=10)
