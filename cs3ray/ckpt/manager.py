@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from cs3ray.storage import Storage, is_remote, open_url
 from .manifest import MANIFEST, CheckpointError, read_manifest, verify, write_manifest
 
 log = logging.getLogger(__name__)
+# Loading or saving in one process (inference, export, tests) is intended, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 STEP_RE = re.compile(r"^step-(\d{8})$")
 
 

@@ -1,0 +1,47 @@
+"""Entry point for `ray job submit --working-dir . -- python jobs/train.py CONFIG [overrides] [--resume|--overwrite]`.
+
+Inside a Ray job, RAY_ADDRESS points at the cluster, so training joins it rather than
+starting an embedded one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cs3ray.config import load_config  # noqa: E402
+from cs3ray.errors import UserError  # noqa: E402
+from cs3ray.train import TrainingError, train  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a cs3ray job on the current Ray cluster.")
+    parser.add_argument("config", help="YAML job config")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.lr=3e-4")
+    parser.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="start the run over")
+    args = parser.parse_args(argv)
+
+    def log(event: dict) -> None:
+        if event["event"] != "prepare":
+            print(json.dumps(event), flush=True)
+
+    try:
+        summary = train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite,
+                        address=os.environ.get("RAY_ADDRESS", "auto"), on_event=log, quiet=True)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingError as exc:
+        print(f"error: training failed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Checkpoint manager without a process group: layout, manifest, checksums, fallback, keep."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from cs3ray.ckpt import CheckpointError, CheckpointManager, list_steps, load_for_inference, verify
+from cs3ray.config import load_config, to_yaml
+from cs3ray.models import ByteTokenizer, Transformer
+from cs3ray.storage import open_url
+
+
+def _save(mgr, model, step):
+    files = {"config.yaml": to_yaml(load_config(None, ["model.preset=tiny"])), "tokenizer.json": ByteTokenizer().to_json()}
+    return mgr.save(step, {"model": model.state_dict()}, {"step": step, "tokens_seen": step * 10},
+                    {"torch": torch.get_rng_state()}, files)
+
+
+def test_save_load_keep_and_layout(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"), keep=2)
+    model = Transformer(load_config(None).model.args())
+    for step in (10, 20, 30):
+        _save(mgr, model, step)
+    assert mgr.steps() == [20, 30] and mgr.latest() == 30
+    folder = tmp_path / "run" / "step-00000030"
+    names = {p.name for p in folder.iterdir()}
+    assert {"manifest.json", "state.json", "config.yaml", "tokenizer.json", "rank-00000.pt", ".metadata"} <= names
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["step"] == 30 and manifest["world_size"] == 1 and manifest["format_version"] == 1
+    assert set(manifest["files"]) == names - {"manifest.json"}
+
+    fresh = Transformer(load_config(None).model.args())
+    state = {"model": fresh.state_dict()}
+    step, meta, rank_state = mgr.load(state)
+    fresh.load_state_dict(state["model"])
+    assert step == 30 and meta["tokens_seen"] == 300 and "torch" in rank_state
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_folder_without_manifest_is_not_a_checkpoint(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"))
+    model = Transformer(load_config(None).model.args())
+    _save(mgr, model, 5)
+    (tmp_path / "run" / "step-00000009").mkdir()  # a save that crashed before its manifest
+    (tmp_path / "run" / "step-00000009" / "__0_0.distcp").write_bytes(b"partial")
+    assert list_steps(open_url(str(tmp_path / "run"))) == [5]
+    assert load_for_inference(str(tmp_path / "run")).step == 5
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
+    mgr = CheckpointManager(str(tmp_path / "run"), keep=3)
+    model = Transformer(load_config(None).model.args())
+    _save(mgr, model, 1)
+    _save(mgr, model, 2)
+    meta = tmp_path / "run" / "step-00000002" / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[-3] ^= 0x55
+    meta.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum"):
+        verify(open_url(str(tmp_path / "run" / "step-00000002")))
+    state = {"model": Transformer(load_config(None).model.args()).state_dict()}
+    step, _, _ = mgr.load(state)
+    assert step == 1
+    assert "skipping checkpoint" in caplog.text
+
+
+def test_load_for_inference_errors_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_for_inference(str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_for_inference(str(tmp_path / "empty"))
+
+
+def test_rank_state_loads_with_weights_only(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"))
+    _save(mgr, Transformer(load_config(None).model.args()), 3)
+    raw = (tmp_path / "run" / "step-00000003" / "rank-00000.pt").read_bytes()
+    assert "torch" in torch.load(io.BytesIO(raw), weights_only=True)
