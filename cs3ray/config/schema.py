@@ -127,6 +127,20 @@ class StorageConfig(Section):
         description="fsspec storage options used for every URL (e.g. key, secret, client_kwargs.endpoint_url).")
 
 
+class CacheConfig(Section):
+    memory_bytes: int = Field(256 * 2**20, ge=0, description="L1: bytes of shard data each worker process keeps in memory (0 disables).")
+    disk_bytes: int = Field(20 * 2**30, ge=0, description="L2: bytes of shards kept in the node-local disk cache, shared by the node's workers (0 disables).")
+    disk_dir: str = Field("~/.cache/cs3ray/shards", description="L2 directory on a local disk (one per node).")
+    policy: Literal["noevict", "lru"] = Field(
+        "noevict", description="Eviction when a tier is full: 'noevict' keeps what it holds (steady hit rate under "
+                               "shuffled epochs), 'lru' evicts the least recently used shard.")
+    prefetch: int = Field(4, ge=0, description="Shards of the epoch order each worker fetches ahead in the background.")
+    warm: bool = Field(False, description="Fill the L2 cache with the whole train split before step 1.")
+    retry_deadline_s: float = Field(60.0, gt=0, description="Keep retrying a failing object-storage read for this long, then fail.")
+    shuffle_window: int = Field(4, ge=1, description="Shards whose samples are shuffled together in the global order (part of the order: keep it when resuming).")
+    trace: bool = Field(False, description="Record the sample ids each rank trains on under <run dir>/data-trace/ (to audit the order).")
+
+
 class JobConfig(Section):
     """A whole training job."""
 
@@ -140,6 +154,7 @@ class JobConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray cluster and workers.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run naming and location.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Storage access.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Tiered shard cache and data order.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":

@@ -1,0 +1,15 @@
+"""The node-local tiered shard cache: L1 memory -> L2 local disk -> L3 any fsspec URL.
+
+Modules: `policy` (eviction), `memory` (L1), `disk` (L2, shared by a node's processes),
+`remote` (L3 with retries), `tiered` (the read-through cache and prefetch), `stats`
+(counters, files and Ray metrics), `locking`, `retry`, and `datasource` (Ray Data reads
+through the cache; imported on its own because it needs Ray).
+"""
+
+from .errors import CacheError
+from .policy import LRU, NoEvict, make_policy
+from .stats import CacheStats, read_all, total
+from .tiered import TieredCache, from_config, namespace, node_cache
+
+__all__ = ["CacheError", "CacheStats", "LRU", "NoEvict", "TieredCache", "from_config", "make_policy", "namespace",
+           "node_cache", "read_all", "total"]

@@ -1,0 +1,130 @@
+"""Cache counters: hits, misses and bytes per tier, bytes from L3, time workers waited for data.
+
+Each process counts for itself and, now and then, writes its counters to
+`<disk_dir>/.stats/<host>-<pid>.json` (atomically), so `cs3 cache stats` can add up every
+worker of the node, and a finished run's numbers stay readable. Inside Ray the same
+counters go out as Ray metrics (Prometheus) too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+
+STATS_DIR = ".stats"
+_ADD_LOCK = threading.Lock()
+
+
+@dataclass
+class CacheStats:
+    l1_hits: int = 0
+    l1_misses: int = 0
+    l1_bytes: int = 0
+    l1_evictions: int = 0
+    l2_hits: int = 0
+    l2_misses: int = 0
+    l2_bytes: int = 0
+    l2_evictions: int = 0
+    l2_corrupt: int = 0
+    l3_reads: int = 0
+    l3_bytes: int = 0
+    l3_retries: int = 0
+    prefetched: int = 0
+    wait_s: float = 0.0
+
+    def add(self, **delta: float) -> None:
+        with _ADD_LOCK:  # prefetch threads count too; += on an attribute is not atomic
+            for key, value in delta.items():
+                setattr(self, key, getattr(self, key) + value)
+
+    def hit_rate(self) -> float:
+        """Share of reads served by L1 or L2."""
+        reads = self.l1_hits + self.l1_misses if self.l1_hits + self.l1_misses else self.l2_hits + self.l2_misses
+        return (self.l1_hits + self.l2_hits) / reads if reads else 0.0
+
+    def minus(self, other: "CacheStats") -> "CacheStats":
+        """Counters since `other` was copied (for per-epoch figures)."""
+        return CacheStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> "CacheStats":
+        return CacheStats(**asdict(self))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "wait_s": round(self.wait_s, 4)}
+
+
+def total(stats: list[dict]) -> CacheStats:
+    """The sum of several processes' counters."""
+    out = CacheStats()
+    names = {f.name for f in fields(out)}
+    for s in stats:
+        out.add(**{k: v for k, v in s.items() if k in names})
+    return out
+
+
+class StatsWriter:
+    """Writes a process's counters under the L2 directory at most every `period_s`, and on close."""
+
+    def __init__(self, stats: CacheStats, disk_dir: str | None, period_s: float = 2.0) -> None:
+        self.stats, self.period_s, self._last = stats, period_s, 0.0
+        self.path = (os.path.join(disk_dir, STATS_DIR, f"{socket.gethostname()}-{os.getpid()}.json")
+                     if disk_dir else None)
+        self._lock = threading.Lock()
+        self._gauges = None
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last >= self.period_s:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+            data = self.stats.to_dict()
+            self._publish(data)
+            if not self.path:
+                return
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                tmp = f"{self.path}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump({"time": time.time(), **data}, f)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass  # statistics must never stop training (a full disk, say)
+
+    def _publish(self, data: dict) -> None:
+        # Ray metrics only exist inside a Ray process; a plain CLI run just writes the file.
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return
+            from ray.util.metrics import Gauge
+
+            if self._gauges is None:
+                self._gauges = {k: Gauge(f"cs3_cache_{k}", description=f"cs3ray shard cache: {k}", tag_keys=("pid",))
+                                for k in data}
+            for k, v in data.items():
+                self._gauges[k].set(float(v), tags={"pid": str(os.getpid())})
+        except Exception:  # noqa: BLE001 - metrics are best effort
+            pass
+
+
+def read_all(disk_dir: str) -> list[dict]:
+    """Every process's last written counters under `disk_dir`."""
+    folder = os.path.join(disk_dir, STATS_DIR)
+    out = []
+    if not os.path.isdir(folder):
+        return out
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    out.append({"process": name[:-5], **json.load(f)})
+            except (OSError, ValueError):
+                continue
+    return out
