@@ -6,10 +6,11 @@ import os
 
 import typer
 
+from cs3ray.bench import cache as cache_bench
 from cs3ray.bench import peak
 from cs3ray.bench.report import emit
 
-from .common import JsonOpt
+from .common import JsonOpt, err_console, user_errors
 
 app = typer.Typer(help="Benchmarks: each compares cs3ray with its peer in one run and prints ratios.",
                   no_args_is_help=True)
@@ -23,3 +24,17 @@ def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch
     r = peak.run(threads, quick)
     emit("matmul peak", ["dtype", "TFLOP/s"],
          [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12)], r, as_json)
+
+
+@app.command("cache")
+@user_errors
+def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB of token shards."),
+              latency_ms: float = typer.Option(20.0, min=0, help="Latency the proxy adds to every S3 request."),
+              prefetch: int = typer.Option(4, min=0, help="Shards cs3's cache fetches ahead."),
+              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """3 shuffled epochs from a loopback S3 store: direct vs fsspec filecache vs cs3's tiered cache."""
+    r = cache_bench.run(size_mb, latency_ms, prefetch=prefetch, quick=quick,
+                        log=lambda m: err_console.print(f"[dim]{m}[/]"))
+    emit(f"shard reads, MB/s per epoch ({r['dataset_mb']} MB, {r['shards']} shards, {r['latency_ms']} ms/request)",
+         ["mode", "epoch 1", "epoch 2", "epoch 3", "hit rate ep 2-3"], cache_bench.rows(r),
+         {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)

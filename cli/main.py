@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from . import bench_cmd, config_cmd, data_cmd
+from . import bench_cmd, cache_cmd, config_cmd, data_cmd
 from .generate_cmd import generate
 from .train_cmd import train_cmd
 
@@ -17,6 +17,7 @@ app.command("generate")(generate)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")
+app.add_typer(cache_cmd.app, name="cache")
 
 
 def main() -> None:

@@ -59,9 +59,15 @@ class DiskTier:
             if not check(data):
                 self._remove_if_same(p, sig)
                 return None
-        os.utime(p)  # last use, for LRU (the remembered signature follows the new mtime)
-        self._remember(p)
+        if self.policy.name == "lru":
+            os.utime(p)  # last use, for LRU (the remembered signature follows the new mtime)
+            self._remember(p)
+        else:
+            self._verified[p] = sig
         return data
+
+    def has(self, ns: str, name: str) -> bool:
+        return os.path.exists(self.path(ns, name))
 
     def _remember(self, p: str) -> None:
         # A file keeps its signature until someone writes to it (which moves mtime) or replaces it.

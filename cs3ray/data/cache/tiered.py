@@ -118,6 +118,8 @@ class TieredCache:
             self._entry(name)
             if self.memory is not None and name in self.memory:
                 continue
+            if self.disk is not None and self.disk.has(self.ns, name) and self.memory is None:
+                continue  # a local read on demand is cheaper than a hand-off to a thread
             with self._lock:
                 if name in self._inflight:
                     continue

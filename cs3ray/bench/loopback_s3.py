@@ -1,0 +1,132 @@
+"""A stand-in for remote object storage on 127.0.0.1: moto's S3 server plus a latency/outage proxy.
+
+The proxy sits between an S3 client (s3fs, exactly as a user configures it) and the moto
+server: it waits `latency_s` before forwarding each request, as a far-away store would, and
+while `down` is set answers every request with 503, which is how tests stage an outage.
+"""
+
+from __future__ import annotations
+
+import http.client
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """`python -m moto.server` in a subprocess; `options()` are s3fs storage options for it."""
+
+    def __init__(self) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(self.url, timeout=1)
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("moto server did not start (is moto[server] installed?)")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+def s3_options(endpoint_url: str) -> dict:
+    """Storage options that reach an S3 endpoint at `endpoint_url` with moto's test keys."""
+    return {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"}}
+
+
+def make_bucket(endpoint_url: str, bucket: str) -> None:
+    """Create `bucket` (no LocationConstraint: moto refuses one naming us-east-1)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint_url},
+                           skip_instance_cache=True)
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+
+
+class LatencyProxy:
+    """A threaded HTTP proxy to `upstream` that adds latency per request and can play dead."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.02) -> None:
+        self.latency_s, self.down, self.requests = latency_s, False, 0
+        parts = urlsplit(upstream)
+        host, port = parts.hostname, parts.port
+        local = threading.local()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                proxy.requests += 1
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                time.sleep(proxy.latency_s)
+                if proxy.down:
+                    msg = b"<Error><Code>ServiceUnavailable</Code><Message>injected outage</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(msg)
+                    return
+                conn = getattr(local, "conn", None)
+                if conn is None:
+                    conn = local.conn = http.client.HTTPConnection(host, port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except (OSError, http.client.HTTPException):
+                    local.conn = None
+                    raise
+                self.send_response(resp.status)
+                head = self.command == "HEAD"  # a HEAD's Content-Length is the object's size: keep it
+                for k, v in resp.getheaders():
+                    if k.lower() not in HOP_HEADERS and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="cs3-s3-proxy")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
