@@ -8,12 +8,14 @@ import typer
 
 from . import bench_cmd, cache_cmd, config_cmd, data_cmd
 from .generate_cmd import generate
+from .serve_cmd import serve
 from .train_cmd import train_cmd
 
 app = typer.Typer(help="cs3ray: elastic training and serving of PyTorch models on Ray.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 app.command("train")(train_cmd)
 app.command("generate")(generate)
+app.command("serve")(serve)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")

@@ -141,6 +141,23 @@ class CacheConfig(Section):
     trace: bool = Field(False, description="Record the sample ids each rank trains on under <run dir>/data-trace/ (to audit the order).")
 
 
+class ServeConfig(Section):
+    replicas: int = Field(1, ge=1, description="Serve replicas when not autoscaling (each loads the model once).")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs each replica reserves (fractional, so serving fits beside training); also torch's threads.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (fractional shares a GPU between replicas).")
+    min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound; set it and max_replicas to autoscale.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
+    target_ongoing_requests: float = Field(16.0, gt=0, description="Autoscaling target of in-flight requests per replica.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once; the engine queues those beyond max_batch.")
+    max_batch: int = Field(32, ge=1, description="Sequences decoded together by continuous batching (1 disables batching).")
+    kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
+    max_prefill_tokens: int = Field(512, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Inference precision; 'auto' is bf16 (on CPU and GPU).")
+    request_timeout_s: float = Field(120.0, gt=0, description="A request still running after this long is cancelled (HTTP 408).")
+    follow_interval_s: float = Field(5.0, gt=0, description="With --follow, seconds between looks for a newer checkpoint.")
+
+
 class JobConfig(Section):
     """A whole training job."""
 
@@ -155,6 +172,7 @@ class JobConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run naming and location.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Storage access.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Tiered shard cache and data order.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving replicas and the inference engine.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":

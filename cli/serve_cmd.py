@@ -1,0 +1,51 @@
+"""`cs3 serve`: an OpenAI-compatible Ray Serve application over a run's newest checkpoint."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import typer
+
+from cs3ray.errors import UserError
+from cs3ray.ops.cluster import ray_cluster
+from cs3ray.serve.deploy import deploy, make_spec, serve_foreground
+
+from .common import AddressOpt, console, user_errors
+
+
+@user_errors
+def serve(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL."),
+          port: int = typer.Option(8000, min=1, max=65535, help="HTTP port of Serve's proxy."),
+          host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for every interface)."),
+          replicas: Optional[int] = typer.Option(None, min=1, help="Replicas (default: serve.replicas of the config)."),
+          token: Optional[str] = typer.Option(None, envvar="CS3_SERVE_TOKEN",
+                                              help="Require 'Authorization: Bearer TOKEN' on the API."),
+          name: Optional[str] = typer.Option(None, help="Application name and model id (default: the run's name)."),
+          dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32."),
+          max_batch: Optional[int] = typer.Option(None, min=1, help="Sequences batched together (1: no batching)."),
+          follow: bool = typer.Option(False, "--follow", help="Hot-reload newer checkpoints of RUN as training writes them."),
+          detach: bool = typer.Option(False, "--detach", help="Leave the app running on the remote cluster and exit."),
+          address: Optional[str] = AddressOpt) -> None:
+    """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
+    spec = make_spec(run, name=name, token=token, follow=follow,
+                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch})
+    if detach and not address:
+        raise UserError("--detach needs --address: an embedded cluster ends with this command.")
+    s = spec.serve
+    # An embedded cluster needs logical CPUs for every replica (autoscaling: the maximum).
+    wanted = (s.max_replicas if s.max_replicas is not None and s.min_replicas is not None else s.replicas)
+    num_cpus = max(2, math.ceil(wanted * s.num_cpus) + 1)
+
+    def ready(url: str) -> None:
+        auth = "bearer token required" if spec.token else "no auth"
+        console.print(f"serving [bold]{spec.name}[/] at {url}/v1 ({auth}); Ctrl-C to stop", highlight=False)
+
+    with ray_cluster(address, num_cpus=num_cpus, quiet=True):
+        if detach:
+            url = deploy(spec, host, port)
+            console.print(f"deployed [bold]{spec.name}[/] at {url}/v1; stop it with `serve shutdown` "
+                          f"or `ray job stop`", highlight=False)
+            return
+        serve_foreground(spec, host, port, ready)
+        console.print("stopped", highlight=False)

@@ -1,0 +1,192 @@
+"""The Ray Serve application: an OpenAI-compatible FastAPI ingress over the batching engine.
+
+One replica = one model copy + one engine thread. Requests are validated, tokenized and
+queued in the engine; text comes back through an asyncio queue and is returned whole or
+streamed as server-sent events. Client mistakes are 4xx with an OpenAI-style error body.
+"""
+
+# No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures,
+# and FastAPI must see real classes (a string "Request" would become a required query field).
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from cs3ray.ckpt import load_for_inference
+
+from .auth import check_bearer
+from .engine import Engine, QueueFull
+from .follow import Follower
+from .metrics import RayMetrics
+from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body, chat_prompt, completion_body,
+                      new_id, parse, prompt_ids, usage)
+from .sequence import Event, GenRequest
+from .spec import ServeSpec
+
+log = logging.getLogger(__name__)
+api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    # A bug must still answer in the API's shape (and is logged with its traceback).
+    log.exception("unexpected error")
+    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error").body(), 500)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@serve.deployment
+@serve.ingress(api)
+class LLMServer:
+    """One replica: loads the checkpoint, runs the engine thread, answers the OpenAI routes."""
+
+    def __init__(self, spec: ServeSpec) -> None:
+        self.spec = spec
+        torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
+        device = "cuda" if spec.serve.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.dtype = spec.dtype(device)
+        loaded = load_for_inference(spec.run, spec.storage_options, dtype=self.dtype)
+        loaded.model.to(device)
+        self.tokenizer = loaded.tokenizer
+        self.context = loaded.model.args.max_seq_len
+        self.fingerprint = f"step-{loaded.step}"
+        self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics())
+        self._thread = threading.Thread(target=self.engine.loop, name="cs3-engine", daemon=True)
+        self._thread.start()
+        self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
+        self.created = int(time.time())
+
+    def _swap(self, model: torch.nn.Module, step: int) -> None:
+        self.engine.swap_model(model)
+        self.fingerprint = f"step-{step}"
+
+    def __del__(self) -> None:
+        self.engine.stop()
+
+    # --- routes ----------------------------------------------------------------------------
+    @api.get("/healthz")
+    async def healthz(self) -> dict:
+        alive = self._thread.is_alive()
+        if not alive:
+            raise APIError(503, "the engine thread has stopped", "server_error")
+        return {"status": "ok", "checkpoint": self.fingerprint, "running": len(self.engine.running),
+                "waiting": len(self.engine.waiting)}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        check_bearer(self.spec.token, request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": self.spec.name, "object": "model", "created": self.created,
+                                            "owned_by": "cs3ray"}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        check_bearer(self.spec.token, request.headers.get("authorization"))
+        req: CompletionRequest = parse(CompletionRequest, await _json(request))
+        gen = self._request(req, req.text(), req.stop_list())
+        rid = new_id("cmpl")
+
+        def body(text: str, finish: str | None, chunk: bool, use: dict | None = None, first: bool = False) -> dict:
+            return completion_body(rid, req.model, self.fingerprint, text, finish, chunk, use)
+        return await self._respond(req, gen, body)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Any:
+        check_bearer(self.spec.token, request.headers.get("authorization"))
+        req: ChatRequest = parse(ChatRequest, await _json(request))
+        gen = self._request(req, chat_prompt(req.messages), req.stop_list() + (TURN,))
+        rid = new_id("chatcmpl")
+
+        def body(text: str | None, finish: str | None, chunk: bool, use: dict | None = None,
+                 first: bool = False) -> dict:
+            return chat_body(rid, req.model, self.fingerprint, text, finish, chunk, use, first)
+        return await self._respond(req, gen, body)
+
+    # --- plumbing --------------------------------------------------------------------------
+    def _request(self, req: "CompletionRequest | ChatRequest", text: str, stop: tuple[str, ...]) -> GenRequest:
+        if req.model != self.spec.name:
+            raise APIError(400, f"model '{req.model}' is not served here; this server has '{self.spec.name}' "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+        ids = prompt_ids(self.tokenizer, text)
+        return GenRequest(ids, req.sampling(len(ids), self.context), stop)
+
+    async def _events(self, gen: GenRequest) -> AsyncIterator[Event]:
+        """Engine events for one request, merged when several are ready (fewer, larger chunks)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        gen.emit = lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
+        try:
+            self.engine.submit(gen)
+        except QueueFull as exc:
+            raise APIError(503, f"server overloaded: {exc}; retry later", "server_error", code="overloaded") from None
+        deadline = loop.time() + self.spec.serve.request_timeout_s
+        done = False
+        try:
+            while not done:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise APIError(408, f"the request ran longer than {self.spec.serve.request_timeout_s:g} s "
+                                        "and was cancelled; ask for fewer max_tokens", code="timeout") from None
+                while not queue.empty() and ev.finish_reason is None:
+                    nxt = queue.get_nowait()
+                    ev = Event(ev.text + nxt.text, nxt.finish_reason, nxt.prompt_tokens, nxt.completion_tokens,
+                               nxt.error)
+                done = ev.finish_reason is not None
+                if ev.finish_reason == "error":
+                    raise APIError(503, ev.error or "generation failed", "server_error")
+                yield ev
+        finally:
+            if not done:  # the client went away or timed out: free the slot
+                self.engine.cancel(gen)
+
+    async def _respond(self, req: "CompletionRequest | ChatRequest", gen: GenRequest, body) -> Any:
+        events = self._events(gen)
+        if not req.stream:
+            parts, last = [], None
+            async for ev in events:
+                parts.append(ev.text)
+                last = ev
+            return body("".join(parts), last.finish_reason, False, usage(last.prompt_tokens, last.completion_tokens))
+        # Fail before the 200 is sent if the request cannot even be queued.
+        first = await anext(events)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream() -> AsyncIterator[str]:
+            ev, is_first = first, True
+            try:
+                while True:
+                    yield _sse(body(ev.text, ev.finish_reason, True, first=is_first))
+                    is_first = False
+                    if ev.finish_reason is not None:
+                        break
+                    ev = await anext(events)
+                if include_usage:
+                    yield _sse(body(None, None, True, usage(ev.prompt_tokens, ev.completion_tokens)))
+            except APIError as exc:  # mid-stream the status is already 200: send the error as an event
+                yield _sse(exc.body())
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")

@@ -1,0 +1,101 @@
+"""Deploy, run in the foreground and shut down a cs3ray Serve application."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import yaml
+from pydantic import ValidationError
+
+from cs3ray.ckpt import resolve_checkpoint, resolve_run
+from cs3ray.ckpt.manifest import MANIFEST
+from cs3ray.config import build_config
+from cs3ray.errors import UserError
+from cs3ray.storage import is_remote
+
+from .spec import ServeSpec
+
+
+def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
+              overrides: dict[str, Any] | None = None, storage_options: dict | None = None,
+              route_prefix: str = "/") -> ServeSpec:
+    """Check the checkpoint is there and read its serve section (CLI values on top)."""
+    url = resolve_run(run)
+    if not is_remote(url):
+        url = os.path.abspath(url)  # replicas run in other working directories
+    folder = resolve_checkpoint(url, storage_options)
+    if follow and folder.url.rstrip("/") == url.rstrip("/") and folder.exists(MANIFEST):
+        raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
+    cfg = build_config(yaml.safe_load(folder.read_text("config.yaml")), source=f"{folder.url}/config.yaml")
+    values = cfg.serve.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        serve_cfg = type(cfg.serve).model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    name = name or cfg.run.name
+    if token is not None and not token.strip():
+        raise UserError("--token is empty; give a non-empty token or leave the option out.")
+    return ServeSpec(run=url, name=name, serve=serve_cfg, token=token, follow=follow,
+                     storage_options=storage_options, route_prefix=route_prefix)
+
+
+def build_app(spec: ServeSpec):
+    """The Serve application for `spec`: replica resources and autoscaling from its serve section."""
+    from .app import LLMServer
+
+    s = spec.serve
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus},
+                               "max_ongoing_requests": s.max_ongoing_requests,
+                               # A stream in flight finishes before its replica is retired.
+                               "graceful_shutdown_timeout_s": s.request_timeout_s}
+    if s.min_replicas is not None and s.max_replicas is not None:
+        if s.min_replicas > s.max_replicas:
+            raise UserError(f"serve.min_replicas={s.min_replicas} is above serve.max_replicas={s.max_replicas}.")
+        options["autoscaling_config"] = {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                                         "initial_replicas": max(1, s.min_replicas),
+                                         "target_ongoing_requests": s.target_ongoing_requests}
+    else:
+        options["num_replicas"] = s.replicas
+    return LLMServer.options(name=f"{spec.name}-llm", **options).bind(spec)
+
+
+def deploy(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
+    """Start Serve's HTTP proxy (if needed) and run the app; returns its base URL once healthy."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(build_app(spec), name=spec.name, route_prefix=spec.route_prefix, blocking=False)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"application '{spec.name}' failed to start: {first}") from None
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown}:{port}{spec.route_prefix.rstrip('/')}"
+
+
+def shutdown(name: str) -> None:
+    """Delete one application (others on the cluster keep running)."""
+    from ray import serve
+
+    serve.delete(name, _blocking=True)
+
+
+def serve_foreground(spec: ServeSpec, host: str, port: int, on_ready: Callable[[str], None] = print) -> None:
+    """Deploy, wait for Ctrl-C or SIGTERM, then delete the app."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        url = deploy(spec, host, port)
+        on_ready(url)
+        while not stop.is_set():
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutdown(spec.name)

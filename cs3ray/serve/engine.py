@@ -1,0 +1,227 @@
+"""Iteration-level continuous batching (as in Orca / vLLM) for one replica.
+
+Every step: admit waiting requests while the KV budget allows, prefill them, then run one
+decode step over every running sequence together. Sequences join and leave between steps, so a
+short request never waits for a long one, unlike request-level batching.
+The engine is plain Python + torch (no Ray): a thread runs `loop()`, callers `submit()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cs3ray.models import Transformer
+from cs3ray.models.generate import sample_next
+
+from .forward import ragged_forward
+from .kv import SlotCache
+from .sequence import Event, GenRequest, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Metrics(Protocol):
+    """Where the engine reports latency and load (Ray metrics in a replica, nothing in tests)."""
+
+    def ttft(self, seconds: float) -> None: ...
+    def itl(self, seconds: float) -> None: ...
+    def queue(self, waiting: int, running: int) -> None: ...
+    def tokens(self, n: int) -> None: ...
+
+
+class NoMetrics:
+    def ttft(self, seconds: float) -> None: pass
+    def itl(self, seconds: float) -> None: pass
+    def queue(self, waiting: int, running: int) -> None: pass
+    def tokens(self, n: int) -> None: pass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 32  # sequences decoded together; 1 means no batching
+    kv_cache_mb: float = 256.0  # memory budget of the KV cache
+    max_prefill_tokens: int = 512  # prompt tokens prefilled per step, so decodes are not starved
+    max_waiting: int = 1024  # queued requests beyond this are refused
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is at its limit; the caller should answer 503."""
+
+
+class Engine:
+    """Continuous-batching generation over one model; thread-safe submit/cancel."""
+
+    def __init__(self, model: Transformer, eos_id: int, options: EngineOptions = EngineOptions(),
+                 metrics: Metrics | None = None) -> None:
+        self.model = model
+        self.eos_id = eos_id
+        self.options = options
+        self.metrics = metrics or NoMetrics()
+        param = next(model.parameters())
+        self.cache = SlotCache.for_budget(model.args, options.max_batch, int(options.kv_cache_mb * 2**20),
+                                          param.dtype, param.device)
+        self.waiting: collections.deque[GenRequest] = collections.deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Condition()
+        self._cancelled: set[int] = set()
+        self._next_model: Transformer | None = None
+        self._stop = False
+        self._last_token_at: dict[int, float] = {}
+        self.steps = 0
+
+    # --- called from other threads -------------------------------------------------------
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; its events arrive through req.emit from the engine thread."""
+        with self._lock:
+            if len(self.waiting) >= self.options.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(req)
+            self._lock.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """Stop a request (client gone or timed out); its slot is freed at the next step."""
+        with self._lock:
+            self._cancelled.add(id(req))
+            self._lock.notify()
+
+    def swap_model(self, model: Transformer) -> None:
+        """Use new weights from the next step on; running sequences continue, none is dropped."""
+        if model.args != self.model.args:
+            raise ValueError("the new checkpoint has a different model shape; restart the server to change it")
+        with self._lock:
+            self._next_model = model
+            self._lock.notify()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+
+    def loop(self) -> None:
+        """Run steps until stop(); sleeps while there is nothing to do."""
+        while True:
+            with self._lock:
+                while not (self._stop or self.waiting or self.running or self._next_model):
+                    self._lock.wait()
+                if self._stop:
+                    break
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - an engine bug must fail requests, not hang them
+                log.exception("engine step failed")
+                self._fail_all(f"internal engine error: {type(exc).__name__}")
+        self._fail_all("server is shutting down")
+
+    # --- the engine thread -----------------------------------------------------------------
+    def step(self) -> None:
+        """One iteration: apply a pending model swap, drop cancelled, admit + prefill, decode."""
+        with self._lock:
+            if self._next_model is not None:
+                self.model, self._next_model = self._next_model, None
+            cancelled, self._cancelled = self._cancelled, set()
+            admitted = self._admit(cancelled)
+        for seq in [s for s in self.running if id(s.req) in cancelled]:
+            self._finish(seq, "cancelled")
+        for seq in admitted:
+            self._prefill(seq)
+        decoding = [s for s in self.running if s.pending is not None and s not in admitted]
+        if decoding:
+            self._decode(decoding)
+        self.steps += 1
+        self.metrics.queue(len(self.waiting), len(self.running))
+
+    def _admit(self, cancelled: set[int]) -> list[Sequence]:
+        admitted, prefill = [], 0
+        while self.waiting:
+            req = self.waiting[0]
+            if id(req) in cancelled:
+                self.waiting.popleft()
+                req.emit(Event("", "cancelled", len(req.prompt_ids)))
+                continue
+            if not self.cache.free_slots or (admitted and prefill + len(req.prompt_ids) > self.options.max_prefill_tokens):
+                break
+            self.waiting.popleft()
+            seq = Sequence(req, self.cache.allocate(), self.eos_id)
+            prefill += len(req.prompt_ids)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seq: Sequence) -> None:
+        n = len(seq.req.prompt_ids)
+        tokens = torch.tensor([seq.req.prompt_ids], device=self.cache.k.device)
+        logits = ragged_forward(self.model, tokens, torch.arange(n, device=tokens.device).view(1, n),
+                                torch.tensor([seq.slot], device=tokens.device), self.cache)
+        seq.position = n
+        now = time.perf_counter()
+        self.metrics.ttft(now - seq.req.arrived)
+        self._last_token_at[id(seq)] = now
+        self._sample([seq], logits)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        device = self.cache.k.device
+        seqs.sort(key=lambda s: s.slot)  # consecutive slots let the cache hand out views
+        tokens = torch.tensor([[s.pending] for s in seqs], device=device)
+        positions = torch.tensor([[s.position] for s in seqs], device=device)
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        logits = ragged_forward(self.model, tokens, positions, slots, self.cache)
+        now = time.perf_counter()
+        for s in seqs:
+            s.position += 1
+            self.metrics.itl(now - self._last_token_at.get(id(s), now))
+            self._last_token_at[id(s)] = now
+        self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        greedy = [i for i, s in enumerate(seqs) if s.req.params.temperature <= 0]
+        picks: dict[int, int] = {}
+        if greedy:
+            # One argmax over all greedy rows; rows with their own sampler settings go one by one.
+            best = logits[greedy].float().argmax(-1).tolist()
+            picks.update(zip(greedy, best))
+        for i, s in enumerate(seqs):
+            if i not in picks:
+                picks[i] = int(sample_next(logits[i:i + 1], s.req.params, s.generator).item())
+        self.metrics.tokens(len(seqs))
+        for i, s in enumerate(seqs):
+            s.pending = None
+            s.accept(picks[i])
+            if s.finished:
+                self._finish(s, s.finished)
+            else:
+                text = s.flush()
+                if text:
+                    s.req.emit(Event(text))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq.slot)
+        self._last_token_at.pop(id(seq), None)
+        self._compact(seq.slot)
+        seq.finished = seq.finished or reason
+        text = seq.flush() if reason != "cancelled" else ""
+        seq.req.emit(Event(text, reason, len(seq.req.prompt_ids), seq.generated))
+
+    def _compact(self, hole: int) -> None:
+        """Move the highest running sequence into a freed lower slot, keeping slots consecutive."""
+        top = max(self.running, key=lambda s: s.slot, default=None)
+        if top is not None and top.slot > hole:
+            self.cache.relocate(top.slot, hole, top.position)
+            top.slot = hole
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for req in waiting:
+            req.emit(Event("", "error", len(req.prompt_ids), error=message))
+        for seq in list(self.running):
+            self.running.remove(seq)
+            self.cache.release(seq.slot)
+            seq.req.emit(Event("", "error", len(seq.req.prompt_ids), seq.generated, error=message))

@@ -1,0 +1,55 @@
+"""Hot reload: watch a run for newer checkpoints and swap their weights into a live engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from cs3ray.ckpt import load_for_inference, resolve_checkpoint
+from cs3ray.errors import UserError
+
+from .spec import ServeSpec
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """A daemon thread that polls `spec.run` and calls swap(model, step) for each newer checkpoint.
+
+    Only complete checkpoints (manifest written last, checksums verified on load) are ever
+    seen, so a save in progress is never half-loaded; the engine applies the swap between two
+    decode steps, so in-flight requests carry on with the new weights instead of being dropped.
+    """
+
+    def __init__(self, spec: ServeSpec, current_url: str, swap: Callable[[torch.nn.Module, int], None],
+                 device: str, dtype: torch.dtype) -> None:
+        self.spec, self.current, self.swap = spec, current_url, swap
+        self.device, self.dtype = device, dtype
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cs3-follow", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> bool:
+        """Load and swap in the newest checkpoint if it changed; True when it did."""
+        folder = resolve_checkpoint(self.spec.run, self.spec.storage_options)
+        if folder.url == self.current:
+            return False
+        loaded = load_for_inference(folder.url, self.spec.storage_options, dtype=self.dtype)
+        self.swap(loaded.model.to(self.device), loaded.step)
+        self.current = loaded.url
+        log.info("hot-reloaded %s (step %d)", loaded.url, loaded.step)
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.spec.serve.follow_interval_s):
+            try:
+                self.poll()
+            except (UserError, ValueError, OSError) as exc:
+                # Keep serving the weights we have; the next poll may find a good checkpoint.
+                log.warning("hot reload skipped: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()

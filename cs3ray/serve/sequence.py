@@ -1,0 +1,79 @@
+"""A request as the engine sees it, and the text it streams back (UTF-8 and stop-string safe)."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cs3ray.models.generate import SamplingParams
+
+
+@dataclass
+class Event:
+    """One message from the engine to a waiting request: new text, and at the end why it stopped."""
+
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class GenRequest:
+    """What a client asked for, already tokenized and validated."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    emit: Callable[[Event], None] = print
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class Sequence:
+    """A running request: its slot, position, sampler state and not-yet-sent text."""
+
+    def __init__(self, req: GenRequest, slot: int, eos_id: int) -> None:
+        self.req = req
+        self.slot = slot
+        self.eos_id = eos_id
+        self.position = 0  # next position to write in the cache
+        self.generated = 0
+        self.pending: int | None = None  # sampled token not yet fed back through the model
+        self.generator = (torch.Generator().manual_seed(req.params.seed)
+                          if req.params.seed is not None else None)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""
+        self._sent = 0
+        # Text that might be the start of a stop string is held back until it cannot be.
+        self._holdback = max((len(s) for s in req.stop), default=1) - 1
+        self.finished: str | None = None
+
+    def accept(self, token: int) -> None:
+        """Take one sampled token: extend the text, detect stops and the length limit."""
+        if token == self.eos_id:
+            self.finished = "stop"
+            return
+        self.generated += 1
+        if token < 256:  # specials other than EOS carry no text
+            self._text += self._decoder.decode(bytes([token]))
+        for stop in self.req.stop:
+            cut = self._text.find(stop, max(0, self._sent - len(stop)))
+            if cut >= 0:
+                self._text = self._text[:cut]
+                self.finished = "stop"
+                return
+        if self.generated >= self.req.params.max_tokens:
+            self.finished = "length"
+        else:
+            self.pending = token
+
+    def flush(self) -> str:
+        """Text that is now safe to send (everything once finished)."""
+        end = len(self._text) if self.finished else max(self._sent, len(self._text) - self._holdback)
+        out, self._sent = self._text[self._sent:end], end
+        return out

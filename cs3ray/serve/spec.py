@@ -1,0 +1,36 @@
+"""What a server is asked to serve: one picklable object handed to every replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cs3ray.config.schema import ServeConfig
+
+from .engine import EngineOptions
+
+DTYPES = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class ServeSpec:
+    """A checkpoint (or run) to serve and how; built by `cs3 serve` / jobs/serve.py."""
+
+    run: str  # absolute path or URL of a run directory or one checkpoint folder
+    name: str  # application name, also the model id clients send
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    token: str | None = None  # bearer token; None leaves the API open
+    follow: bool = False  # poll `run` for newer checkpoints and hot-swap them in
+    storage_options: dict | None = None
+    route_prefix: str = "/"
+
+    def engine_options(self) -> EngineOptions:
+        s = self.serve
+        return EngineOptions(max_batch=s.max_batch, kv_cache_mb=s.kv_cache_mb,
+                             max_prefill_tokens=s.max_prefill_tokens)
+
+    def dtype(self, device: str) -> torch.dtype:
+        """The inference dtype; fp16 is GPU-only (CPU fp16 kernels are slow and partly missing)."""
+        dtype = DTYPES[self.serve.dtype]
+        return torch.bfloat16 if dtype == torch.float16 and device == "cpu" else dtype

@@ -1,0 +1,227 @@
+"""The Serve app on a real Ray head, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from cluster_harness import free_port
+from serve_checkpoints import make_checkpoint
+
+from cs3ray.serve.deploy import deploy, make_spec, shutdown
+
+# Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
+# importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.
+if (Path.home() / ".ray" / "auth_token").exists():
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+TOKEN = "s3cret-token"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def http_port(ray_client):
+    """One Serve HTTP proxy for this module (Serve has one per cluster); shut down at the end."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(http_port, tmp_path_factory):
+    """A token-protected app over a random-weight tiny checkpoint, in fp32."""
+    run = tmp_path_factory.mktemp("serve") / "run"
+    make_checkpoint(run, step=1)
+    spec = make_spec(str(run), name="tiny-test", token=TOKEN, route_prefix="/api",
+                     overrides={"dtype": "fp32", "max_batch": 8})
+    url = deploy(spec, "127.0.0.1", http_port)
+    yield url
+    shutdown(spec.name)
+
+
+def client(url: str, token: str | None = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=token or "none", max_retries=0, timeout=60)
+
+
+def post(url: str, body: bytes | str, token: str | None = TOKEN, path: str = "/v1/completions") -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = body.encode() if isinstance(body, str) else body
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data=data, headers=headers), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def healthy(url: str) -> bool:
+    with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+        return r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+def test_completions_chat_models_and_usage(app):
+    c = client(app)
+    assert [m.id for m in c.models.list().data] == ["tiny-test"]
+    out = c.completions.create(model="tiny-test", prompt="def main(", max_tokens=12, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len("def main(") + 1  # the EOS that starts every document
+    assert 1 <= out.usage.completion_tokens <= 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    again = c.completions.create(model="tiny-test", prompt="def main(", max_tokens=12, temperature=0)
+    assert again.choices[0].text == out.choices[0].text  # greedy is deterministic
+    chat = c.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=8, temperature=0.7, seed=3)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens <= 8
+
+
+def test_streaming_matches_non_streaming(app):
+    c = client(app)
+    whole = c.completions.create(model="tiny-test", prompt="import os\n", max_tokens=20, temperature=0)
+    chunks = list(c.completions.create(model="tiny-test", prompt="import os\n", max_tokens=20, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    stream = c.chat.completions.create(model="tiny-test", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=10, temperature=0, stream=True)
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    assert deltas[0].role == "assistant"
+
+
+def test_greedy_identical_alone_and_in_a_full_batch(app):
+    c = client(app)
+    prompts = [f"class C{i}:\n    def " for i in range(8)]
+    alone = [c.completions.create(model="tiny-test", prompt=p, max_tokens=24, temperature=0).choices[0].text
+             for p in prompts[:2]]
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        results[i] = c.completions.create(model="tiny-test", prompt=prompts[i], max_tokens=24,
+                                          temperature=0).choices[0].text
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[0], results[1]] == alone
+
+
+def test_auth(app):
+    assert healthy(app)  # no token needed
+    with pytest.raises(openai.AuthenticationError):
+        client(app, token=None).models.list()
+    with pytest.raises(openai.AuthenticationError):
+        client(app, token="wrong").completions.create(model="tiny-test", prompt="a", max_tokens=1)
+    status, body = post(app, json.dumps({"model": "tiny-test", "prompt": "a"}), token=None)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+
+
+BAD = [
+    ("malformed json", b'{"model": "tiny-test", "prompt": ', 400),
+    ("not an object", b'[1, 2]', 400),
+    ("not utf-8", b'\xff\xfe{', 400),
+    ("missing prompt", json.dumps({"model": "tiny-test"}), 400),
+    ("prompt wrong type", json.dumps({"model": "tiny-test", "prompt": 5}), 400),
+    ("max_tokens a string", json.dumps({"model": "tiny-test", "prompt": "a", "max_tokens": "5"}), 400),
+    ("max_tokens zero", json.dumps({"model": "tiny-test", "prompt": "a", "max_tokens": 0}), 400),
+    ("max_tokens past context", json.dumps({"model": "tiny-test", "prompt": "a", "max_tokens": 10_000}), 400),
+    ("prompt past context", json.dumps({"model": "tiny-test", "prompt": "x" * 400}), 400),
+    ("temperature too high", json.dumps({"model": "tiny-test", "prompt": "a", "temperature": 9}), 400),
+    ("top_p zero", json.dumps({"model": "tiny-test", "prompt": "a", "top_p": 0}), 400),
+    ("n > 1", json.dumps({"model": "tiny-test", "prompt": "a", "n": 2}), 400),
+    ("too many stops", json.dumps({"model": "tiny-test", "prompt": "a", "stop": list("abcde")}), 400),
+    ("unknown model", json.dumps({"model": "gpt-9", "prompt": "a"}), 400),
+    ("chat without messages", json.dumps({"model": "tiny-test", "messages": []}), 400),
+    ("chat bad role", json.dumps({"model": "tiny-test", "messages": [{"role": "robot", "content": "x"}]}), 400),
+]
+
+
+@pytest.mark.parametrize("case,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_are_4xx_and_server_stays_healthy(app, case, body, status):
+    path = "/v1/chat/completions" if case.startswith("chat") else "/v1/completions"
+    got, err = post(app, body, path=path)
+    assert got == status, err
+    assert set(err["error"]) >= {"message", "type", "param", "code"} and err["error"]["message"]
+    assert healthy(app)
+
+
+def test_openai_client_sees_bad_request_and_unknown_route(app):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client(app).completions.create(model="tiny-test", prompt="a" * 300, max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client(app).embeddings.create(model="tiny-test", input="a")
+
+
+def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run, step=1, seed=0)
+    spec = make_spec(str(run), name="follow-test", follow=True, route_prefix="/follow",
+                     overrides={"dtype": "fp32"})
+    spec.serve = spec.serve.model_copy(update={"follow_interval_s": 0.3})
+    url = deploy(spec, "127.0.0.1", http_port)
+    try:
+        c = client(url, token=None)
+        first = c.completions.create(model="follow-test", prompt="a", max_tokens=1, temperature=0)
+        assert first.system_fingerprint == "step-1"
+        stream = c.completions.create(model="follow-test", prompt="x", max_tokens=240, temperature=0,
+                                      stream=True, extra_body={"stop": None})
+        chunks = [next(iter(stream))]
+        make_checkpoint(run, step=2, seed=1)  # training writes a newer checkpoint mid-stream
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        fingerprints = {ch.system_fingerprint for ch in chunks}
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            now = c.completions.create(model="follow-test", prompt="a", max_tokens=1, temperature=0)
+            if now.system_fingerprint == "step-2":
+                break
+            time.sleep(0.3)
+        assert now.system_fingerprint == "step-2", fingerprints
+    finally:
+        shutdown(spec.name)
+
+
+def test_cli_serve_foreground_and_sigterm(ray_head, http_port, tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run, step=3)
+    proc = subprocess.Popen(["cs3", "serve", str(run), "--address", ray_head.address, "--port", str(http_port),
+                             "--name", "cli-test", "--dtype", "fp32"], env=ray_head.env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{http_port}"
+        deadline = time.time() + 90
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if healthy(base):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        out = client(base, token=None).completions.create(model="cli-test", prompt="a", max_tokens=3)
+        assert out.system_fingerprint == "step-3"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "serving cli-test" in stdout
+
+
+def test_cli_serve_missing_run_is_one_line(tmp_path):
+    proc = subprocess.run(["cs3", "serve", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ), cwd=ROOT)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
