@@ -86,10 +86,15 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
     eval_batches: int = Field(8, ge=1, description="Validation batches per pass (split over workers).")
     log_every: int = Field(10, ge=1, description="Steps between metric reports.")
+    compile: bool = Field(False, description="torch.compile each transformer block (kernel fusion).")
+    activation_checkpointing: bool = Field(False, description="Recompute block activations in backward to save memory.")
 
 
 class ParallelConfig(Section):
-    strategy: Literal["ddp"] = Field("ddp", description="How parameters are distributed: ddp replicates them.")
+    strategy: Literal["ddp", "zero1", "fsdp"] = Field(
+        "ddp", description="ddp: replicated; zero1: optimizer state sharded; fsdp: parameters, gradients and "
+                           "optimizer state sharded (FSDP2), each worker owns 1/N.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (groups of tp workers on one node split each block).")
 
 
 class CheckpointConfig(Section):
@@ -179,4 +184,15 @@ class JobConfig(Section):
         args = self.model.args()
         if self.train.seq_len > args.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
+        tp = self.parallel.tp
+        if tp > 1:
+            for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads), ("ffn_dim", args.ffn_dim)):
+                if value % tp:
+                    raise ValueError(f"parallel.tp={tp} does not divide model.{name}={value}")
+            workers = self.cluster.workers
+            if workers % tp:
+                raise ValueError(f"parallel.tp={tp} does not divide cluster.workers={workers}")
+            if workers // tp > 1 and self.parallel.strategy != "fsdp":
+                raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
+                                 f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
         return self

@@ -1,26 +1,102 @@
 """Parallelism applied to an unmodified model from the outside (torchtitan's apply_* style).
 
-Order matters and is fixed: tensor parallel -> activation checkpointing -> compile -> data
-parallel wrapping last, because DDP/FSDP must see the final module structure.
+The order is fixed and matters:
+  1. tensor parallel   - rewrites Linear weights into DTensor shards; must see the plain model
+  2. activation ckpt   - wraps whole blocks, around the TP-sharded linears
+  3. compile           - compiles each (wrapped) block, so the graph includes recompute + TP comms
+  4. data parallel     - FSDP2 / DDP last: they must see the final module structure and parameters
+ZeRO-1 is an optimizer-side choice (see `build_zero1_optimizer`); the model is wrapped with DDP.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .precision import DTYPES
 
-def apply_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: int = 25) -> nn.Module:
+
+def _blocks(model: nn.Module) -> nn.ModuleDict | None:
+    blocks = getattr(model, "blocks", None)
+    return blocks if isinstance(blocks, nn.ModuleDict) else None
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallel: column-parallel q/k/v and w1/w3, row-parallel wo and w2.
+
+    Activations between blocks stay replicated, so each block costs two all-reduces forward
+    (after wo and w2) and two backward, and nothing outside the blocks changes.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    blocks = _blocks(model)
+    if blocks is None:
+        raise ValueError("parallel.tp > 1 needs a model with a `blocks` ModuleDict of transformer blocks")
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(), "ffn.w1": ColwiseParallel(), "ffn.w3": ColwiseParallel(),
+            "ffn.w2": RowwiseParallel()}
+    for block in blocks.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = _blocks(model)
+    if blocks is None:
+        raise ValueError("train.activation_checkpointing needs a model with a `blocks` ModuleDict")
+    for name, block in list(blocks.items()):
+        blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block separately: small graphs compile fast and are reused by every layer."""
+    blocks = _blocks(model)
+    if blocks is None:
+        model.compile()
+        return
+    for name, block in list(blocks.items()):
+        blocks[name] = torch.compile(block, fullgraph=False)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: str) -> None:
+    """FSDP2: shard parameters, gradients and optimizer state of every block and the root over dp.
+
+    With bf16/fp16, FSDP all-gathers parameters in the compute dtype (half the traffic) and
+    reduce-scatters gradients in fp32, while the sharded fp32 parameters stay the master copy.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    blocks = _blocks(model) or {}
+    items = list(blocks.items()) if blocks else []
+    for i, (_, block) in enumerate(items):
+        # The last block's parameters are needed first in backward: keep them gathered after forward.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(items) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_cap_mb: int = 25) -> nn.Module:
     """Replicate the model; gradients are all-reduced in buckets overlapped with backward."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return model
     ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view avoids a copy of every gradient into the comm buckets.
-    return DDP(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    return DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_cap_mb,
+               gradient_as_bucket_view=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside any wrapper."""
     return model.module if isinstance(model, DDP) else model
+
+
+def uses_autocast(strategy: str) -> bool:
+    """FSDP2 casts parameters itself (MixedPrecisionPolicy); the others use torch.autocast."""
+    return strategy != "fsdp"

@@ -10,6 +10,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,15 +50,19 @@ class LossScaler:
     def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
         """Divide gradients by the scale; return False (skip the step) when any is inf/nan.
 
-        Every rank sees the same all-reduced gradients, so they all take the same decision.
+        Every rank must take the same decision, so the inf/nan flag is all-reduced.
         """
         if not self.enabled:
             return True
-        grads = [p.grad for p in params if p.grad is not None]
+        # Sharded gradients (FSDP2/TP DTensors): check the local shard, then agree across ranks.
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
         inv = 1.0 / self.scale
-        for g in grads:
-            g.mul_(inv)
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        torch._foreach_mul_(grads, inv)
+        finite_local = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        bad = torch.tensor([0.0 if finite_local else 1.0], device=grads[0].device if grads else "cpu")
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        finite = bad.item() == 0.0
         if finite:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:

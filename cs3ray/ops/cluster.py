@@ -43,7 +43,8 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
     embedded = address is None
     try:
         if embedded:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
+            # address="local": always a new cluster, even when `ray start` left one running here.
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
         else:
             _enable_token_auth()

@@ -74,6 +74,8 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -
     # The first window includes start-up and compilation, so leave it out of the rate when we can.
     steady = progress[1:] or progress
     tps = sum(e["tokens_per_s"] for e in steady) / len(steady) if steady else 0.0
+    mfu = sum(e.get("mfu", 0.0) for e in steady) / len(steady) if steady else 0.0
+    start = next((e for e in reversed(events) if e["event"] == "start"), {})
     steps = list_steps(run)
     return {
         "run": cfg.run.name, "steps": end.get("step", 0), "initial_val_loss": end.get("initial_val_loss"),
@@ -81,7 +83,9 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -
         "tokens_seen": end.get("tokens_seen", 0), "workers": cfg.cluster.workers,
         "precision": cfg.precision, "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
         "checkpoint": run.child(step_dir(steps[-1])).url if steps else None, "wall_s": round(wall_s, 1),
-        "final_loss": progress[-1]["loss"] if progress else None,
+        "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
+        "peak_flops": start.get("peak_flops"), "threads": start.get("threads"), "tp": cfg.parallel.tp,
+        "skipped_steps": end.get("skipped_steps", 0), "memory": end.get("memory"),
     }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -11,20 +10,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from cs3ray.bench.peak import measure_peak
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import JobConfig, build_config, to_yaml
-from cs3ray.core.optim import build_optimizer, lr_factor, set_lr
-from cs3ray.core.parallel import apply_ddp
-from cs3ray.core.precision import LossScaler, autocast
+from cs3ray.core.engine import ComputeCore
+from cs3ray.core.mesh import discover
+from cs3ray.core.optim import lr_factor
+from cs3ray.core.precision import compute_dtype
+from cs3ray.core.state import rng_state, set_rng_state
 from cs3ray.data.shards import read_manifest, read_split
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import ByteTokenizer, train_flops_per_token
-from cs3ray.models.factory import count_parameters, model_from_config
 from cs3ray.storage import open_url
-
-from . import state as ckpt_state
 
 
 @dataclass
@@ -45,26 +43,31 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class Worker:
-    """One rank: builds the model, restores state, and runs steps, evals and checkpoints."""
+    """One rank: builds the compute core, restores state, and runs steps, evals and checkpoints."""
 
     def __init__(self, cfg: JobConfig, run_url: str, shards_url: str, resume: bool, monitor: Any) -> None:
+        import ray
         import ray.train
         import ray.train.torch
 
         self.cfg, self.monitor = cfg, monitor
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.threads = max(1, int(cfg.cluster.cpus_per_worker))
         # Ray sets OMP_NUM_THREADS=1 in workers; use exactly the CPUs this worker reserved.
-        torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
+        torch.set_num_threads(self.threads)
         self.device = ray.train.torch.get_device()
-        torch.manual_seed(cfg.train.seed)  # identical init on every rank
-        model = model_from_config(cfg).to(self.device)
-        self.n_params = count_parameters(model)
-        self.model = apply_ddp(model, self.device)
-        t = cfg.train
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2))
-        self.scaler = LossScaler(cfg.precision == "fp16")
+        self.topo = discover(cfg.parallel.tp, ray.get_runtime_context().get_node_id())
+        self.core = ComputeCore(cfg, self.device, self.topo)
         self.ckpt = CheckpointManager(run_url, cfg.storage.options, cfg.checkpoint.keep)
         self.progress = Progress()
         self.stream: TrainStream | None = None
@@ -72,88 +75,55 @@ class Worker:
             self._restore()
         torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.val = self._val_slice(shards_url)
-        self.flops_per_token = self._flops_per_token()
-
-    def _flops_per_token(self) -> float:
-        if self.cfg.model.target:
-            return 6.0 * self.n_params  # a user's model: the 6N rule without the attention term
-        return train_flops_per_token(self.cfg.model.args(), self.cfg.train.seq_len)
+        self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
+                                else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
+        # MFU is against the peak of this worker's own device and thread count, measured here.
+        self.peak_flops = measure_peak(compute_dtype(cfg.precision), self.threads, size=1024, seconds=0.5,
+                                       device=self.device.type)
 
     def _val_slice(self, shards_url: str) -> list[np.ndarray]:
-        """This rank's share of the fixed validation batches (the same every eval)."""
+        """This data-parallel rank's share of the fixed validation batches (the same every eval)."""
         shards = open_url(shards_url, self.cfg.storage.options)
         val = read_split(shards, read_manifest(shards), "val")
         b = self.cfg.train.batch_size
         n = min(len(val), b * self.cfg.train.eval_batches)
         batches = [val[i:i + b] for i in range(0, n, b)]
-        return batches[self.rank::self.world]
+        return batches[self.topo.dp_rank::self.topo.dp]
 
     def _restore(self) -> None:
-        state = ckpt_state.capture(self.model, self.optimizer)
+        state = self.core.state()
         step, meta, rank_state = self.ckpt.load(state)
-        ckpt_state.restore(self.model, self.optimizer, state)
+        self.core.after_load(state)
         self.progress = Progress(step=step, tokens_seen=meta["tokens_seen"],
                                  initial_val_loss=meta.get("initial_val_loss"), val_loss=meta.get("val_loss"),
                                  data_position=meta.get("data"))
-        self.scaler.load_state_dict(meta["scaler"])
+        self.core.scaler.load_state_dict(meta["scaler"])
         if rank_state is not None:
-            ckpt_state.set_rng_state(rank_state)
-        self._event("restored", step=step)
+            set_rng_state(rank_state)
+        self._event("restored", step=step, from_world_size=meta.get("world_size"),
+                    from_strategy=meta.get("strategy"))
 
     def _event(self, kind: str, **data: Any) -> None:
         if self.rank == 0 and self.monitor is not None:
             self.monitor.record.remote({"event": kind, **data})
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        total, count = 0.0, 0
-        for batch in self.val:
-            x = torch.from_numpy(batch).to(self.device)
-            with autocast(self.cfg.precision, self.device):
-                logits = self.model(x[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-            total += float(loss)
-            count += x[:, 1:].numel()
-        self.model.train()
+        total, count = self.core.evaluate(self.val)
+        # Only one rank per tensor-parallel group counts, or its loss would be summed tp times.
+        if self.topo.tp_rank:
+            total, count = 0.0, 0
         total, count = _all_reduce([total, count], self.device)
         return total / max(count, 1)
-
-    def train_step(self, batches) -> tuple[float, bool]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, step applied)."""
-        t = self.cfg.train
-        set_lr(self.optimizer, t.lr * lr_factor(self.progress.step, t.warmup_steps, t.steps, t.min_lr_ratio))
-        total = 0.0
-        for micro in range(t.grad_accum):
-            x = torch.from_numpy(next(batches)).to(self.device)
-            last = micro == t.grad_accum - 1
-            # Skip the gradient all-reduce on all but the last micro-batch.
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with autocast(self.cfg.precision, self.device):
-                    logits = self.model(x[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()) / t.grad_accum
-                self.scaler.scale_loss(loss).backward()
-            total += float(loss)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        ok = self.scaler.unscale_and_check(params)
-        if ok:
-            if t.clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, t.clip)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total, ok
 
     def save(self) -> str:
         p = self.progress
         meta = {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
-                "val_loss": p.val_loss, "scaler": self.scaler.state_dict(), "world_size": self.world,
+                "val_loss": p.val_loss, "scaler": self.core.scaler.state_dict(), "world_size": self.world,
                 "data": self.stream.state() if self.stream is not None else p.data_position,
-                "strategy": self.cfg.parallel.strategy, "precision": self.cfg.precision}
+                "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "precision": self.cfg.precision}
         files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
         t0 = time.perf_counter()
-        url = self.ckpt.save(p.step, ckpt_state.capture(self.model, self.optimizer), meta,
-                             ckpt_state.rng_state(), files)
+        url = self.ckpt.save(p.step, self.core.state(), meta, rng_state(), files)
         self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3))
         return url
 
@@ -161,18 +131,23 @@ class Worker:
         import ray.train
 
         cfg, t, p = self.cfg, self.cfg.train, self.progress
-        tokens_per_step = self.world * t.batch_size * t.grad_accum * t.seq_len
-        self._event("start", step=p.step, workers=self.world, params=self.n_params, total_steps=t.steps)
+        tokens_per_step = self.topo.dp * t.batch_size * t.grad_accum * t.seq_len
+        self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
+                    nodes=len(set(self.topo.node_ids)), tp=self.topo.tp, strategy=cfg.parallel.strategy,
+                    peak_flops=self.peak_flops, threads=self.threads)
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
             self._event("eval", step=p.step, val_loss=p.val_loss)
         self.stream = TrainStream(t.batch_size, t.seed, p.data_position)
-        batches = self.stream
+        next_batch = lambda: self.core.share_batch(next(self.stream))  # noqa: E731
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
+        first_step = p.step
         while p.step < t.steps:
             t0 = time.perf_counter()
-            loss, ok = self.train_step(batches)
+            lr = t.lr * lr_factor(p.step, t.warmup_steps, t.steps, t.min_lr_ratio)
+            # The second step is measured for peak memory (the first one allocates optimizer state lazily).
+            loss, ok = self.core.step(next_batch, lr, track_memory=p.step == first_step + 1)
             p.step += 1
             p.tokens_seen += tokens_per_step
             window_steps += 1
@@ -182,10 +157,11 @@ class Worker:
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
+                flops_per_worker = tps * self.flops_per_token / self.world
                 self._event("progress", step=p.step, loss=loss_sum / self.world, step_time_s=step_time,
-                            tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.scaler.skipped,
-                            flops_per_s=tps * self.flops_per_token,
-                            lr=self.optimizer.param_groups[0]["lr"], step_applied=ok)
+                            tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
+                            mfu=flops_per_worker / self.peak_flops, lr=lr, step_applied=ok,
+                            loss_scale=self.core.scaler.scale)
                 window_t, window_steps = time.perf_counter(), 0
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
@@ -198,9 +174,10 @@ class Worker:
                 break
         if last_ckpt != p.step:
             self.save()
+        memory = _all_gather(self.core.memory())
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
-                 "tokens_seen": p.tokens_seen, "stopped": stopped}
-        self._event("end", **final)
+                 "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}
+        self._event("end", memory=memory, **final)
         ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 
     def _stop_requested(self) -> bool:

@@ -1,0 +1,158 @@
+"""The compute core of one rank: a model with parallelism applied, its optimizer and precision.
+
+It knows nothing of Ray: the Ray worker feeds it batches, and tests drive it under plain
+torch.distributed processes to compare every strategy with a single-process run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cs3ray.config import JobConfig
+from cs3ray.models.factory import count_parameters, model_from_config
+
+from . import parallel
+from .grads import clip_grad_norm
+from .memory import owned_bytes, peak_step_memory
+from .mesh import Topology
+from .optim import build_optimizer, set_lr
+from .precision import LossScaler, autocast
+from .state import capture, init_adamw_state, local_optimizer, restore
+
+
+class ComputeCore:
+    """Builds and steps one rank's shard of the model; every method is called on every rank."""
+
+    def __init__(self, cfg: JobConfig, device: torch.device, topology: Topology) -> None:
+        self.cfg, self.device, self.topo = cfg, device, topology
+        p, t = cfg.parallel, cfg.train
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
+        model = model_from_config(cfg).to(device)
+        self.n_params = count_parameters(model)
+        mesh = topology.mesh(device.type) if dist.is_initialized() else None
+        self.mesh = mesh
+        distributed = mesh is not None and topology.world > 1
+        # The fixed order of parallelisms (see cs3ray.core.parallel).
+        if p.tp > 1:
+            parallel.apply_tp(model, mesh["tp"])
+        if t.activation_checkpointing:
+            parallel.apply_ac(model)
+        if t.compile:
+            parallel.apply_compile(model)
+        self.autocast = True
+        if p.strategy == "fsdp" and distributed:
+            parallel.apply_fsdp(model, mesh["dp"], cfg.precision)
+            self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
+        elif distributed and topology.dp > 1:
+            model = parallel.apply_ddp(model, device, group=mesh["dp"].get_group() if p.tp > 1 else None)
+        self.model = model
+        betas = (t.beta1, t.beta2)
+        if p.strategy == "zero1" and distributed and topology.dp > 1:
+            self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas, zero_group=mesh["dp"].get_group())
+        else:
+            self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas)
+        init_adamw_state(local_optimizer(self.optimizer))
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.scaler = LossScaler(cfg.precision == "fp16")
+        self.peak_bytes: int | None = None
+        self.grad_bytes = 0
+
+    def share_batch(self, batch: np.ndarray) -> np.ndarray:
+        """Tensor-parallel ranks must see the same batch: take the TP group leader's."""
+        if self.topo.tp == 1 or self.mesh is None:
+            return batch
+        t = torch.as_tensor(batch)
+        group = self.mesh["tp"].get_group()
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+        return t.numpy()
+
+    def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = autocast(self.cfg.precision, self.device) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            logits = self.model(x[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    def _no_sync(self, last: bool):
+        """Skip gradient communication on all but the last micro-batch of an accumulation."""
+        if last:
+            return contextlib.nullcontext()
+        if hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+
+    def step(self, next_batch: Callable[[], np.ndarray], lr: float, track_memory: bool = False) -> tuple[float, bool]:
+        """One optimizer step over grad_accum micro-batches: (mean loss on this rank, step applied)."""
+        if track_memory:
+            result, self.peak_bytes = peak_step_memory(lambda: self._step(next_batch, lr), self.model,
+                                                       self.optimizer, self.device)
+            return result
+        return self._step(next_batch, lr)
+
+    def _step(self, next_batch: Callable[[], np.ndarray], lr: float) -> tuple[float, bool]:
+        t = self.cfg.train
+        set_lr(self.optimizer, lr)
+        total = 0.0
+        for micro in range(t.grad_accum):
+            last = micro == t.grad_accum - 1
+            if last and hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(True)
+            x = torch.as_tensor(next_batch(), device=self.device)
+            with self._no_sync(last):
+                loss = self._forward_loss(x) / t.grad_accum
+                self.scaler.scale_loss(loss).backward()
+            total += float(loss.detach())
+        ok = self.scaler.unscale_and_check(self.params)
+        self.grad_bytes = owned_bytes(self.model, self.optimizer)["grad_bytes"]
+        if ok:
+            if t.clip > 0:
+                clip_grad_norm(self.params, t.clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, ok
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[np.ndarray]) -> tuple[float, int]:
+        """(summed token loss, token count) over this rank's validation batches."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for batch in batches:
+            x = torch.as_tensor(batch, device=self.device)
+            total += float(self._forward_loss(x)) * x[:, 1:].numel()
+            count += x[:, 1:].numel()
+        self.model.train()
+        self._reshard()
+        return total, count
+
+    def _reshard(self) -> None:
+        """Put FSDP2 back into sharded state after a forward without backward.
+
+        Without a backward, modules that keep parameters gathered after forward (the root and
+        the last block) stay unsharded, and `named_parameters()` would then hand checkpoints
+        and the optimizer the temporary full tensors instead of this rank's shards.
+        """
+        for module in self.model.modules():
+            if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
+                module.reshard()
+
+    def state(self) -> dict[str, Any]:
+        """DCP state of this rank (references: loading fills them in place)."""
+        return capture(self.model, self.optimizer)
+
+    def after_load(self, state: dict[str, Any]) -> None:
+        restore(self.model, state)
+
+    def memory(self) -> dict[str, int | None]:
+        """Bytes this rank owns: parameters, gradients (as of the last step), optimizer state, peak."""
+        owned = owned_bytes(self.model, self.optimizer)
+        owned["grad_bytes"] = self.grad_bytes
+        owned["state_bytes"] = owned["param_bytes"] + owned["grad_bytes"] + owned["optim_bytes"]
+        owned["peak_bytes"] = self.peak_bytes
+        return owned

@@ -1,0 +1,89 @@
+"""Run the compute core in N plain torch.distributed processes (gloo), no Ray: for equivalence tests."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cs3ray.config import load_config
+from cs3ray.core.engine import ComputeCore
+from cs3ray.core.mesh import Topology
+
+MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=64", "model.max_seq_len=32",
+         "train.seq_len=16", "train.clip=1.0", "train.lr=1e-2", "train.warmup_steps=0"]
+
+
+def global_batches(steps: int, rows: int, seq: int = 16, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (rows, seq + 1)).astype(np.int64) for _ in range(steps)]
+
+
+def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarray], node_ids=None,
+             inject_inf_at: int | None = None) -> dict[str, Any]:
+    """Train on `batches` (global batches, split by data-parallel rank); return losses and memory."""
+    cfg = load_config(None, MODEL + [f"cluster.workers={world}"] + overrides)
+    topo = Topology(rank, world, cfg.parallel.tp, tuple(node_ids or ["n0"] * world))
+    core = ComputeCore(cfg, torch.device("cpu"), topo)
+    losses, applied = [], []
+    for i, gb in enumerate(batches):
+        per = len(gb) // topo.dp
+        local = gb[topo.dp_rank * per:(topo.dp_rank + 1) * per]
+        if inject_inf_at == i:
+            # Make every gradient inf on this step by scaling a weight to overflow in fp16.
+            for p in core.params:
+                p.register_hook(lambda g: torch.full_like(g, float("inf")))
+        loss, ok = core.step(lambda: local, lr=cfg.train.lr, track_memory=(i == 1))
+        t = torch.tensor([loss], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+            t /= world
+        losses.append(float(t))
+        applied.append(ok)
+        if inject_inf_at == i:
+            break
+    core.evaluate([batches[0][: cfg.train.batch_size]])
+    captured = core.state()["optim"]["state"]
+    return {"losses": losses, "applied": applied, "memory": core.memory(), "scale": core.scaler.scale,
+            "skipped": core.scaler.skipped, "optim_entries_after_eval": len(captured),
+            "trainable": len({id(p) for p in core.model.parameters()})}
+
+
+def _entry(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]], batches, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, overrides in jobs:
+            results[name] = run_core(overrides, rank, world, batches)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results["error"] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, results))
+
+
+def run_distributed(jobs: list[tuple[str, list[str]]], batches, world: int = 2) -> dict[str, dict]:
+    """Run several (name, overrides) jobs one after another in `world` processes; rank 0's results."""
+    from cluster_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world, free_port(), jobs, batches, out)) for r in range(world)]
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, jobs, batches, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for r in results.values():
+        if "error" in r:
+            raise AssertionError(r["error"])
+    return {"rank0": results[0], "rank1": results.get(1, {})}
