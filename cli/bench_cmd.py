@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from typing import Optional
+
 import typer
 
 from cs3ray.bench import cache as cache_bench
@@ -38,3 +40,20 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
     emit(f"shard reads, MB/s per epoch ({r['dataset_mb']} MB, {r['shards']} shards, {r['latency_ms']} ms/request)",
          ["mode", "epoch 1", "epoch 2", "epoch 3", "hit rate ep 2-3"], cache_bench.rows(r),
          {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)
+
+
+@app.command("serve")
+def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None, "--small/--no-small",
+              help="Also benchmark the small model (default: yes, except with --quick)."),
+              dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16), bf16, fp32."),
+              as_json: bool = JsonOpt) -> None:
+    """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64."""
+    from cs3ray.bench import serve as serve_bench
+
+    r = serve_bench.run(quick=quick, small=small, dtype=dtype, log=lambda line: err_console.print(line, highlight=False))
+    rows = [(model, mode, c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"], cell["p99_itl_ms"],
+             cell["errors"])
+            for model, res in [("tiny", r), *r.get("models", {}).items()]
+            for mode, cells in res["modes"].items() for c, cell in cells.items()]
+    emit("serve: tokens/s and latency (ms)", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
+                                              "itl p99", "errors"], rows, r, as_json)

@@ -25,6 +25,7 @@ from .auth import check_bearer
 from .engine import Engine, QueueFull
 from .follow import Follower
 from .metrics import RayMetrics
+from .pump import EventPump
 from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body, chat_prompt, completion_body,
                       new_id, parse, prompt_ids, usage)
 from .sequence import Event, GenRequest
@@ -46,14 +47,15 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error").body(), 500)
 
 
-async def _json(request: Request) -> Any:
+async def read_json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def _sse(body: dict) -> str:
+def sse(body: dict) -> str:
+    """One server-sent event carrying a JSON body."""
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -77,12 +79,15 @@ class LLMServer:
         self._thread.start()
         self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
         self.created = int(time.time())
+        self._pump: EventPump | None = None
 
     def _swap(self, model: torch.nn.Module, step: int) -> None:
         self.engine.swap_model(model)
         self.fingerprint = f"step-{step}"
 
     def __del__(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         self.engine.stop()
 
     # --- routes ----------------------------------------------------------------------------
@@ -92,7 +97,8 @@ class LLMServer:
         if not alive:
             raise APIError(503, "the engine thread has stopped", "server_error")
         return {"status": "ok", "checkpoint": self.fingerprint, "running": len(self.engine.running),
-                "waiting": len(self.engine.waiting)}
+                "waiting": len(self.engine.waiting), "steps": self.engine.steps,
+                "busy_s": round(self.engine.busy_s, 3), "cpu_s": round(self.engine.cpu_s, 3)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -103,7 +109,7 @@ class LLMServer:
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
         check_bearer(self.spec.token, request.headers.get("authorization"))
-        req: CompletionRequest = parse(CompletionRequest, await _json(request))
+        req: CompletionRequest = parse(CompletionRequest, await read_json(request))
         gen = self._request(req, req.text(), req.stop_list())
         rid = new_id("cmpl")
 
@@ -114,7 +120,7 @@ class LLMServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         check_bearer(self.spec.token, request.headers.get("authorization"))
-        req: ChatRequest = parse(ChatRequest, await _json(request))
+        req: ChatRequest = parse(ChatRequest, await read_json(request))
         gen = self._request(req, chat_prompt(req.messages), req.stop_list() + (TURN,))
         rid = new_id("chatcmpl")
 
@@ -129,23 +135,29 @@ class LLMServer:
             raise APIError(400, f"model '{req.model}' is not served here; this server has '{self.spec.name}' "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
         ids = prompt_ids(self.tokenizer, text)
-        return GenRequest(ids, req.sampling(len(ids), self.context), stop)
+        return GenRequest(ids, req.sampling(len(ids), self.context), stop, ignore_eos=req.ignore_eos)
 
     async def _events(self, gen: GenRequest) -> AsyncIterator[Event]:
-        """Engine events for one request, merged when several are ready (fewer, larger chunks)."""
+        """Engine events for one request; what piles up within stream_interval_ms goes out as one."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        gen.emit = lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
+        if self._pump is None:  # the replica's event loop exists only once requests arrive
+            self._pump = EventPump(loop)
+        gen.emit = self._pump.emitter(queue.put_nowait)
         try:
             self.engine.submit(gen)
         except QueueFull as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later", "server_error", code="overloaded") from None
         deadline = loop.time() + self.spec.serve.request_timeout_s
-        done = False
+        interval = self.spec.serve.stream_interval_ms / 1e3
+        done, last_sent = False, 0.0
         try:
             while not done:
                 try:
                     ev = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                    wait = last_sent + interval - loop.time()
+                    if wait > 0 and ev.finish_reason is None:
+                        await asyncio.sleep(wait)
                 except asyncio.TimeoutError:
                     raise APIError(408, f"the request ran longer than {self.spec.serve.request_timeout_s:g} s "
                                         "and was cancelled; ask for fewer max_tokens", code="timeout") from None
@@ -156,6 +168,7 @@ class LLMServer:
                 done = ev.finish_reason is not None
                 if ev.finish_reason == "error":
                     raise APIError(503, ev.error or "generation failed", "server_error")
+                last_sent = loop.time()
                 yield ev
         finally:
             if not done:  # the client went away or timed out: free the slot
@@ -177,15 +190,15 @@ class LLMServer:
             ev, is_first = first, True
             try:
                 while True:
-                    yield _sse(body(ev.text, ev.finish_reason, True, first=is_first))
+                    yield sse(body(ev.text, ev.finish_reason, True, first=is_first))
                     is_first = False
                     if ev.finish_reason is not None:
                         break
                     ev = await anext(events)
                 if include_usage:
-                    yield _sse(body(None, None, True, usage(ev.prompt_tokens, ev.completion_tokens)))
+                    yield sse(body(None, None, True, usage(ev.prompt_tokens, ev.completion_tokens)))
             except APIError as exc:  # mid-stream the status is already 200: send the error as an event
-                yield _sse(exc.body())
+                yield sse(exc.body())
             finally:
                 await events.aclose()
             yield "data: [DONE]\n\n"

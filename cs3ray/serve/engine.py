@@ -47,8 +47,9 @@ class NoMetrics:
 class EngineOptions:
     max_batch: int = 32  # sequences decoded together; 1 means no batching
     kv_cache_mb: float = 256.0  # memory budget of the KV cache
-    max_prefill_tokens: int = 512  # prompt tokens prefilled per step, so decodes are not starved
+    max_prefill_tokens: int = 256  # prompt tokens prefilled per step, so decodes are not starved
     max_waiting: int = 1024  # queued requests beyond this are refused
+    threads: int | None = None  # torch threads of the engine thread (None: leave torch's default)
 
 
 class QueueFull(Exception):
@@ -75,6 +76,8 @@ class Engine:
         self._stop = False
         self._last_token_at: dict[int, float] = {}
         self.steps = 0
+        self.busy_s = 0.0  # time spent in step(): with wall time, how loaded the replica is
+        self.cpu_s = 0.0  # CPU time of those steps: below busy_s when other processes take the cores
 
     # --- called from other threads -------------------------------------------------------
     def submit(self, req: GenRequest) -> None:
@@ -106,6 +109,10 @@ class Engine:
 
     def loop(self) -> None:
         """Run steps until stop(); sleeps while there is nothing to do."""
+        if self.options.threads:
+            # OpenMP's thread count is per thread: one set in the constructor's thread does not
+            # reach this one, which would otherwise spin up a thread per core on a shared CPU.
+            torch.set_num_threads(self.options.threads)
         while True:
             with self._lock:
                 while not (self._stop or self.waiting or self.running or self._next_model):
@@ -122,6 +129,7 @@ class Engine:
     # --- the engine thread -----------------------------------------------------------------
     def step(self) -> None:
         """One iteration: apply a pending model swap, drop cancelled, admit + prefill, decode."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._lock:
             if self._next_model is not None:
                 self.model, self._next_model = self._next_model, None
@@ -136,6 +144,8 @@ class Engine:
             self._decode(decoding)
         self.steps += 1
         self.metrics.queue(len(self.waiting), len(self.running))
+        self.busy_s += time.perf_counter() - t0
+        self.cpu_s += time.thread_time() - c0
 
     def _admit(self, cancelled: set[int]) -> list[Sequence]:
         admitted, prefill = [], 0

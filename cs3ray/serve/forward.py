@@ -49,7 +49,8 @@ def ragged_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Te
         rep = q.shape[1] // keys.shape[1]
         if rep > 1:
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # Attention runs in the cache's dtype (fp32 on CPU, see SlotCache), the projections in the model's.
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask).to(x.dtype)
         h = h + attn.wo(out.transpose(1, 2).reshape(b, t, -1))
         h = h + block.ffn(block.ffn_norm(h))
     return model.output(model.norm(h[:, -1]))

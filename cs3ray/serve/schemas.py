@@ -43,6 +43,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # not in OpenAI's API; clients pass it through extra_body
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks need fixed lengths)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -146,6 +147,9 @@ def prompt_ids(tokenizer: ByteTokenizer, text: str) -> list[int]:
     return [tokenizer.eos_id] + tokenizer.encode(text)
 
 
+_TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def parse(model: type[BaseModel], payload: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes one 400 naming the field."""
     if not isinstance(payload, dict):
@@ -154,7 +158,8 @@ def parse(model: type[BaseModel], payload: Any) -> Any:
         return model.model_validate(payload)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or None
+        # Unions add the member type to the location ("prompt.str"); the client named only "prompt".
+        field = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPES or "[" in p))) or None
         raise APIError(400, f"{field}: {err['msg']}" if field else err["msg"], param=field,
                        code="invalid_type" if "type" in err["type"] else "invalid_value") from None
 

@@ -30,6 +30,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     emit: Callable[[Event], None] = print
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -40,7 +41,7 @@ class Sequence:
     def __init__(self, req: GenRequest, slot: int, eos_id: int) -> None:
         self.req = req
         self.slot = slot
-        self.eos_id = eos_id
+        self.eos_id = -1 if req.ignore_eos else eos_id
         self.position = 0  # next position to write in the cache
         self.generated = 0
         self.pending: int | None = None  # sampled token not yet fed back through the model

@@ -28,7 +28,7 @@ class ServeSpec:
     def engine_options(self) -> EngineOptions:
         s = self.serve
         return EngineOptions(max_batch=s.max_batch, kv_cache_mb=s.kv_cache_mb,
-                             max_prefill_tokens=s.max_prefill_tokens)
+                             max_prefill_tokens=s.max_prefill_tokens, threads=max(1, int(s.num_cpus)))
 
     def dtype(self, device: str) -> torch.dtype:
         """The inference dtype; fp16 is GPU-only (CPU fp16 kernels are slow and partly missing)."""

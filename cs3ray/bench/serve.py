@@ -1,0 +1,174 @@
+"""`cs3 bench serve`: continuous batching vs. no batching vs. Serve's @serve.batch, in one run.
+
+All three modes serve the same checkpoint with the same engine, forward pass and sampler on
+one replica of 1 CPU each, behind the same Serve HTTP proxy; they differ only in scheduling:
+  unbatched    cs3ray's engine with max_batch=1 (one sequence at a time, the rest queue)
+  serve_batch  Ray Serve's @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01): closed batches
+  continuous   cs3ray's engine: sequences join and leave the batch at every decode step
+Each offered concurrency replays one seeded open-loop workload against each mode in turn.
+Weights are random (throughput and latency do not depend on their values; ignore_eos fixes
+every output's length), so the benchmark needs no trained run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from cs3ray.ckpt import CheckpointManager
+from cs3ray.config import build_config, to_yaml
+from cs3ray.models import ByteTokenizer, Transformer
+
+from .serve_load import Item, run_load, workload
+
+MODES = ("unbatched", "serve_batch", "continuous")
+CONCURRENCIES = (1, 4, 16, 64)
+CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
+
+
+def _checkpoint(preset: str, root: Path) -> str:
+    """A random-weight checkpoint of `preset`, saved as training would save it."""
+    cfg = build_config({"model": {"preset": preset}, "run": {"name": f"bench-{preset}", "dir": str(root / preset)}})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model.args())
+    files = {"config.yaml": to_yaml(cfg), "tokenizer.json": ByteTokenizer().to_json()}
+    CheckpointManager(str(root / preset)).save(0, {"model": model.state_dict(), "optim": {}},
+                                               {"step": 0, "world_size": 1}, {}, files)
+    return str(root / preset)
+
+
+def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tuple[int, int]]:
+    """Concurrencies, requests per concurrency and output-length range for one model."""
+    if quick:
+        return CONCURRENCIES, {c: max(4, min(c, 16)) for c in CONCURRENCIES}, (8, 32)
+    if preset == "tiny":
+        return CONCURRENCIES, {1: 8, 4: 24, 16: 64, 64: 128}, (16, 192)
+    # The small model decodes ~10x slower; fewer, shorter requests keep the run under 10 minutes.
+    return CONCURRENCIES, {1: 3, 4: 8, 16: 16, 64: 32}, (16, 128)
+
+
+def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int,
+                  stream_interval_ms: float | None = None) -> dict[str, str]:
+    from cs3ray.serve.deploy import build_app, make_spec
+
+    from ray import serve
+
+    from .serve_batch import RequestBatchServer
+
+    urls = {}
+    for mode in MODES:
+        name = f"bench-{preset}-{mode}"
+        spec = make_spec(run, name=name, route_prefix=f"/{name}",
+                         overrides={"dtype": dtype, "max_batch": 1 if mode == "unbatched" else max_batch,
+                                    "num_cpus": 1.0, "replicas": 1, "stream_interval_ms": stream_interval_ms})
+        if mode == "serve_batch":
+            app = RequestBatchServer.options(name=f"{name}-llm", max_ongoing_requests=1024,
+                                             ray_actor_options={"num_cpus": 1.0}).bind(spec)
+        else:
+            spec.serve = spec.serve.model_copy(update={"max_ongoing_requests": 1024})
+            app = build_app(spec)
+        serve.run(app, name=name, route_prefix=spec.route_prefix, blocking=False)
+        urls[mode] = f"http://127.0.0.1:{port}/{name}"
+    return urls
+
+
+def _summary(modes: dict[str, dict[str, dict]]) -> dict:
+    at16 = {m: modes[m].get("16", {}) for m in MODES}
+
+    def ratio(a: dict, b: dict) -> float | None:
+        if not a or not b or not b.get("tokens_per_s"):
+            return None
+        return round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+    return {"modes": modes,
+            "speedup_vs_unbatched_at_16": ratio(at16["continuous"], at16["unbatched"]),
+            "speedup_vs_serve_batch_at_16": ratio(at16["continuous"], at16["serve_batch"]),
+            "p99_itl_ms_at_16": at16["continuous"].get("p99_itl_ms")}
+
+
+def _clean(cell: dict) -> dict:
+    return {k: (None if isinstance(cell[k], float) and math.isnan(cell[k]) else
+                round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
+
+
+def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_batch: int,
+                log: Callable[[str], None]) -> dict:
+    """All modes x concurrencies for one model; the result's shape is the JSON's."""
+    from ray import serve
+
+    concurrencies, counts, out_range = _plan(preset, quick)
+    urls = _deploy_modes(run, preset, port, dtype, max_batch)
+    try:
+        # Little's law: the unloaded latency of a mean-length request turns concurrency into a rate.
+        mean_out = sum(out_range) // 2
+        probe = [Item(0.0, "def main(", mean_out, i) for i in range(1 if quick else 3)]
+        run_load(urls["continuous"], f"bench-{preset}-continuous", probe[:1])  # warm-up
+        t0 = time.perf_counter()
+        for item in probe:
+            run_load(urls["continuous"], f"bench-{preset}-continuous", [item])
+        latency = (time.perf_counter() - t0) / len(probe)
+        log(f"{preset}: unloaded latency of a {mean_out}-token request {latency * 1e3:.0f} ms")
+        modes: dict[str, dict[str, dict]] = {m: {} for m in MODES}
+        for c in concurrencies:
+            items = workload(counts[c], rate=c / latency, seed=c, output_tokens=out_range)
+            for mode in MODES:
+                cell = run_load(urls[mode], f"bench-{preset}-{mode}", items)
+                if cell["first_error"]:
+                    log(f"  {mode} c={c}: {cell['errors']} errors, first: {cell['first_error']}")
+                modes[mode][str(c)] = _clean(cell)
+                log(f"{preset} c={c:>2} {mode:<11} {cell['tokens_per_s']:8.0f} tok/s  "
+                    f"ttft p50 {cell['p50_ttft_ms']:7.1f} ms  p99 {cell['p99_ttft_ms']:7.1f} ms  "
+                    f"itl p99 {cell['p99_itl_ms']:6.1f} ms  errors {cell['errors']}")
+    finally:
+        for mode in MODES:
+            serve.delete(f"bench-{preset}-{mode}")
+    return _summary(modes)
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int) -> Iterator[None]:
+    """A fresh Ray cluster of this process, even when another one runs on the machine.
+
+    (address="local": a plain ray.init() would join any cluster already started here, and a
+    benchmark must not share its CPUs with someone else's jobs.)
+    """
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max_batch: int = 64,
+        log: Callable[[str], None] = print) -> dict:
+    """The whole benchmark on an embedded Ray cluster; tiny at the top level, small under models.small."""
+    import os
+    import socket
+
+    from ray import serve
+
+    small = (not quick) if small is None else small
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, \
+            local_ray(max(8, os.cpu_count() or 1)):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            result = bench_model(_checkpoint("tiny", Path(tmp)), "tiny", port, quick, dtype, max_batch, log)
+            if small:
+                result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
+                                                         dtype, max_batch, log)}
+        finally:
+            serve.shutdown()
+    return result
+
+

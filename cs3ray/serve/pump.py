@@ -1,0 +1,39 @@
+"""Carry engine events from the engine thread into an asyncio loop, one wake-up per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable
+
+from .sequence import Event
+
+
+class EventPump:
+    """Events are queued under a lock and delivered in the loop by one scheduled callback.
+
+    A decode step emits an event per running sequence; waking the loop for each one
+    (call_soon_threadsafe writes to a pipe) would cost more than the step at large batches.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._outbox: list[tuple[Callable[[Event], None], Event]] = []
+        self._wake_pending = False
+
+    def emitter(self, deliver: Callable[[Event], None]) -> Callable[[Event], None]:
+        """A thread-safe callback for the engine; `deliver` later runs in the loop with each event."""
+        def emit(ev: Event) -> None:
+            with self._lock:
+                self._outbox.append((deliver, ev))
+                wake, self._wake_pending = not self._wake_pending, True
+            if wake:
+                self.loop.call_soon_threadsafe(self._drain)
+        return emit
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._outbox, self._wake_pending = self._outbox, [], False
+        for deliver, ev in batch:
+            deliver(ev)

@@ -1,0 +1,169 @@
+"""The continuous-batching engine without Ray: exactness, scheduling, sampling, stops, cancellation."""
+
+from __future__ import annotations
+
+import torch
+
+from cs3ray.models import PRESETS, KVCache, Transformer
+from cs3ray.models.generate import SamplingParams, generate_ids
+from cs3ray.serve.engine import Engine, EngineOptions, QueueFull
+from cs3ray.serve.forward import ragged_forward
+from cs3ray.serve.kv import SlotCache
+from cs3ray.serve.sequence import Event, GenRequest
+
+EOS = 257
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def model(dtype: torch.dtype = torch.float32) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(PRESETS["tiny"]).eval().to(dtype)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[EOS] + list(f"def f{i}(x):\n    return x * {i}".encode())[: 4 + 3 * i] for i in range(n)]
+
+
+def run(engine: Engine, reqs: list[GenRequest]) -> list[list[Event]]:
+    """Submit everything, step until idle; the events each request received."""
+    events: list[list[Event]] = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        r.emit = events[i].append
+        engine.submit(r)
+    while engine.waiting or engine.running:
+        engine.step()
+    return events
+
+
+def text(evs: list[Event]) -> str:
+    return "".join(e.text for e in evs)
+
+
+def test_ragged_forward_matches_the_model_with_its_own_cache():
+    m = model()
+    cache = SlotCache(m.args, 4, torch.float32)
+    ids = torch.randint(0, 256, (1, 17))
+    slot = cache.allocate()
+    got = ragged_forward(m, ids, torch.arange(17).view(1, -1), torch.tensor([slot]), cache)
+    ref_cache = KVCache(m.args, 1, 32, torch.float32)
+    with torch.inference_mode():
+        ref = m(ids, ref_cache)[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    nxt = torch.tensor([[7]])
+    got = ragged_forward(m, nxt, torch.tensor([[17]]), torch.tensor([slot]), cache)
+    with torch.inference_mode():
+        ref = m(nxt, ref_cache)[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_is_identical_alone_and_in_a_full_batch_fp32():
+    m = model()
+    ps = prompts(8)
+    alone = [run(Engine(m, EOS, EngineOptions(max_batch=1)), [GenRequest(p, GREEDY)])[0] for p in ps]
+    batched = run(Engine(m, EOS, EngineOptions(max_batch=8)), [GenRequest(p, GREEDY) for p in ps])
+    assert [text(e) for e in batched] == [text(e) for e in alone]
+    # ... and both equal plain generation with the model's own KV cache.
+    for p, evs in zip(ps, alone):
+        ref = generate_ids(m, p, GREEDY, stop_ids=(EOS,))
+        assert text(evs) == bytes(t for t in ref if t < 256).decode("utf-8", errors="replace")
+        assert evs[-1].completion_tokens == len(ref) and evs[-1].prompt_tokens == len(p)
+
+
+def test_sequences_join_and_leave_between_steps_and_queue_when_slots_are_full():
+    m = model()
+    engine = Engine(m, EOS, EngineOptions(max_batch=3))
+    lengths = [2, 9, 4, 6, 3]
+    reqs = [GenRequest(p, SamplingParams(temperature=0.0, max_tokens=n), ignore_eos=True)
+            for p, n in zip(prompts(5), lengths)]
+    seen_running = []
+    for r in reqs:
+        engine.submit(r)
+    events: list[list[Event]] = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        r.emit = events[i].append
+    while engine.waiting or engine.running:
+        engine.step()
+        seen_running.append(len(engine.running))
+        assert engine.cache.free_slots == 3 - len(engine.running)
+        # Running sequences always sit in the lowest slots (the cache is read as a view).
+        assert sorted(s.slot for s in engine.running) == list(range(len(engine.running)))
+    assert max(seen_running) == 3  # never more than the slots
+    assert [e[-1].completion_tokens for e in events] == lengths
+    assert all(e[-1].finish_reason == "length" for e in events)
+    # The short first request finished long before the 9-token one: a new one took its slot.
+    assert engine.steps < sum(lengths)
+
+
+def test_budget_limits_slots():
+    m = model()
+    per_slot = m.args.n_layers * 2 * m.args.kv_heads * m.args.head_dim * 4 * m.args.max_seq_len
+    cache = SlotCache.for_budget(m.args, 64, 5 * per_slot, torch.bfloat16)
+    assert cache.slots == 5  # fp32 keys on CPU, whatever the model's dtype
+    try:
+        SlotCache.for_budget(m.args, 64, per_slot // 2, torch.float32)
+    except ValueError as exc:
+        assert "kv_cache_mb" in str(exc)
+    else:
+        raise AssertionError("a budget below one context must be refused")
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    m = model()
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=16, seed=1234)
+    alone = run(Engine(m, EOS), [GenRequest(prompts(1)[0], params, ignore_eos=True)])[0]
+    others = [GenRequest(p, SamplingParams(temperature=1.0, max_tokens=16, seed=i)) for i, p in enumerate(prompts(4))]
+    mixed = run(Engine(m, EOS), others[:2] + [GenRequest(prompts(1)[0], params, ignore_eos=True)] + others[2:])[2]
+    assert text(mixed) == text(alone)
+
+
+def test_stop_strings_are_cut_and_never_streamed():
+    m = model()
+    full = text(run(Engine(m, EOS), [GenRequest(prompts(1)[0], GREEDY, ignore_eos=True)])[0])
+    stop = full[5:8]
+    evs = run(Engine(m, EOS), [GenRequest(prompts(1)[0], GREEDY, stop=(stop,), ignore_eos=True)])[0]
+    assert text(evs) == full[:full.index(stop)]
+    assert evs[-1].finish_reason == "stop"
+
+
+def test_cancel_frees_the_slot_and_queue_limit():
+    m = model()
+    engine = Engine(m, EOS, EngineOptions(max_batch=2, max_waiting=1))
+    long = GenRequest(prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=200), ignore_eos=True)
+    events: list[Event] = []
+    long.emit = events.append
+    engine.submit(long)
+    engine.step()
+    engine.submit(GenRequest(prompts(1)[0], GREEDY, emit=lambda e: None))
+    try:
+        engine.submit(GenRequest(prompts(1)[0], GREEDY, emit=lambda e: None))
+    except QueueFull:
+        pass
+    else:
+        raise AssertionError("the waiting queue should be full")
+    engine.cancel(long)
+    engine.step()
+    assert events[-1].finish_reason == "cancelled"
+    assert all(s.req is not long for s in engine.running)
+
+
+def test_swap_model_keeps_running_sequences():
+    m = model()
+    engine = Engine(m, EOS)
+    req = GenRequest(prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=20), ignore_eos=True)
+    events: list[Event] = []
+    req.emit = events.append
+    engine.submit(req)
+    for _ in range(5):
+        engine.step()
+    torch.manual_seed(1)
+    engine.swap_model(Transformer(PRESETS["tiny"]).eval())
+    while engine.running:
+        engine.step()
+    assert engine.model is not m
+    assert events[-1].finish_reason == "length" and events[-1].completion_tokens == 20
+    try:
+        engine.swap_model(Transformer(PRESETS["small"]))
+    except ValueError as exc:
+        assert "shape" in str(exc)
+    else:
+        raise AssertionError("a different shape must be refused")
