@@ -19,6 +19,20 @@ app = typer.Typer(help="Benchmarks: each compares cs3ray with its peer in one ru
 QuickOpt = typer.Option(False, "--quick", help="A short run (seconds) for smoke tests.")
 
 
+@app.command("train")
+@user_errors
+def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),
+              threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Threads for the peer and for 1 worker."),
+              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Plain PyTorch loop vs. cs3ray 1 worker vs. 2 workers per strategy: tokens/s, MFU, memory."""
+    from cs3ray.bench import train as train_bench
+
+    r = train_bench.run(config, quick, threads, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"training throughput ({r['config']}, {r['threads']} threads, peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
+         f"overhead ratio {r['overhead_ratio']:.3f}, fsdp/ddp state {r['fsdp_state_ratio']:.2f})",
+         ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
+
+
 @app.command("peak")
 def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch threads."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:

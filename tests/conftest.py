@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# `ray start --head` in Ray 2.60 enables token auth (the token lands in ~/.ray/auth_token when
+# the first head starts). Ray reads this when it is imported, so it is set before any test
+# module imports ray, also on a fresh machine where the token file does not exist yet.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from cluster_harness import HeadNode, free_port, start_head  # noqa: E402
 
@@ -53,22 +56,9 @@ def s3_server():
 
     Yields (endpoint_url, storage_options); a bucket named 'cs3' exists.
     """
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
+    from cs3ray.bench.loopback_s3 import MotoServer, make_bucket, s3_options
 
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.1)
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
-    import s3fs
-
-    s3fs.S3FileSystem(**options).mkdir("cs3")
-    yield url, options
-    proc.terminate()
-    proc.wait(timeout=10)
+    moto = MotoServer()
+    make_bucket(moto.url, "cs3")
+    yield moto.url, s3_options(moto.url)
+    moto.stop()

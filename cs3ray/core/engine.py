@@ -63,15 +63,6 @@ class ComputeCore:
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
 
-    def share_batch(self, batch: np.ndarray) -> np.ndarray:
-        """Tensor-parallel ranks must see the same batch: take the TP group leader's."""
-        if self.topo.tp == 1 or self.mesh is None:
-            return batch
-        t = torch.as_tensor(batch)
-        group = self.mesh["tp"].get_group()
-        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-        return t.numpy()
-
     def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
         ctx = autocast(self.cfg.precision, self.device) if self.autocast else contextlib.nullcontext()
         with ctx:

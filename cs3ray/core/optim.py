@@ -31,8 +31,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        # parameters_as_bucket_view: broadcast updated parameters as a few flat buckets
+        # instead of one collective per tensor.
         zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                       process_group=zero_group, lr=lr, betas=betas, foreach=True,
+                                       process_group=zero_group, parameters_as_bucket_view=True,
+                                       lr=lr, betas=betas, foreach=True,
                                        weight_decay=groups[0]["weight_decay"])
         for g in groups[1:]:
             zero.add_param_group(g)

@@ -87,9 +87,10 @@ def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return model
     ids = [device.index] if device.type == "cuda" else None
-    # gradient_as_bucket_view avoids a copy of every gradient into the comm buckets.
+    # gradient_as_bucket_view avoids a copy of every gradient into the comm buckets; the only
+    # buffers (RoPE tables) are constants, so broadcasting them before every forward is waste.
     return DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_cap_mb,
-               gradient_as_bucket_view=True)
+               gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -11,7 +11,6 @@ from typing import Any, Callable
 from cs3ray.ckpt import list_steps, step_dir
 from cs3ray.config import JobConfig, to_yaml
 from cs3ray.data import ShardSpec, ensure_shards
-from cs3ray.data.stream import train_dataset
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
 from cs3ray.ops.metrics import EventLog
@@ -105,7 +104,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
 
     started = time.time()
     run = prepare_run_dir(cfg, resume, overwrite)
-    shards, manifest = prepare_data(cfg, on_event)
+    shards, _ = prepare_data(cfg, on_event)
     run.write_text(to_yaml(cfg), "config.yaml")
     log = EventLog(run)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.workers, cfg.cluster.cpus_per_worker)
@@ -118,7 +117,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             scaling_config=_scaling(cfg),
             torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
             run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}"),
-            datasets={"train": train_dataset(shards, manifest, cfg.train.seed)},
+            # No `datasets=`: workers read their exact slice of the global order through the
+            # node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
         )
         outcome: dict[str, Any] = {}
 

@@ -16,6 +16,7 @@ from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import JobConfig, build_config, to_yaml
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import discover
+from cs3ray.core.mfu import mfu
 from cs3ray.core.optim import lr_factor
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
@@ -74,6 +75,7 @@ class Worker:
         if resume and self.ckpt.latest() is not None:
             self._restore()
         torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
+        self.shards_url = shards_url
         self.val = self._val_slice(shards_url)
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
@@ -82,13 +84,18 @@ class Worker:
                                        device=self.device.type)
 
     def _val_slice(self, shards_url: str) -> list[np.ndarray]:
-        """This data-parallel rank's share of the fixed validation batches (the same every eval)."""
+        """This data-parallel rank's share of the fixed validation batches (the same every eval).
+
+        Every rank gets the same number of batches: FSDP and TP forwards are collectives, so
+        an uneven split would leave one rank waiting forever for the others.
+        """
         shards = open_url(shards_url, self.cfg.storage.options)
         val = read_split(shards, read_manifest(shards), "val")
-        b = self.cfg.train.batch_size
-        n = min(len(val), b * self.cfg.train.eval_batches)
-        batches = [val[i:i + b] for i in range(0, n, b)]
-        return batches[self.topo.dp_rank::self.topo.dp]
+        b, dp = self.cfg.train.batch_size, self.topo.dp
+        per_rank = max(1, self.cfg.train.eval_batches // dp)
+        rows = np.arange(b * per_rank * dp) % len(val)  # wrap around a validation split smaller than asked
+        mine = rows.reshape(dp, per_rank, b)[self.topo.dp_rank]
+        return [val[idx] for idx in mine]
 
     def _restore(self) -> None:
         state = self.core.state()
@@ -138,8 +145,12 @@ class Worker:
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
             self._event("eval", step=p.step, val_loss=p.val_loss)
-        self.stream = TrainStream(t.batch_size, t.seed, p.data_position)
-        next_batch = lambda: self.core.share_batch(next(self.stream))  # noqa: E731
+        # Streams are keyed by data-parallel rank: the ranks of one tensor-parallel group read
+        # the same samples, and the global order only depends on the data-parallel width.
+        self.stream = TrainStream(t.batch_size, t.seed, p.data_position, shards_url=self.shards_url,
+                                  storage_options=cfg.storage.options, cache=cfg.cache,
+                                  rank=self.topo.dp_rank, world=self.topo.dp)
+        next_batch = lambda: next(self.stream)  # noqa: E731
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
         first_step = p.step
@@ -157,10 +168,9 @@ class Worker:
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
-                flops_per_worker = tps * self.flops_per_token / self.world
                 self._event("progress", step=p.step, loss=loss_sum / self.world, step_time_s=step_time,
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
-                            mfu=flops_per_worker / self.peak_flops, lr=lr, step_applied=ok,
+                            mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
                             loss_scale=self.core.scaler.scale)
                 window_t, window_steps = time.perf_counter(), 0
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
@@ -174,6 +184,7 @@ class Worker:
                 break
         if last_ckpt != p.step:
             self.save()
+        self.stream.close()
         memory = _all_gather(self.core.memory())
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
                  "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}

@@ -1,0 +1,129 @@
+"""`cs3 bench train`: cs3ray's training throughput and MFU against a plain PyTorch loop, in one run.
+
+The peer is what a careful user would write without cs3ray: one process, the same model,
+batch, autocast precision, AdamW (foreach) and thread count, reading the same token shards.
+cs3ray then trains the same job with 1 worker (the Ray orchestration overhead), and with 2
+workers for every strategy (what sharding costs and saves). Steady-state rates only: the
+first steps (warm-up, allocation) are left out of every measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cs3ray.config import JobConfig, load_config
+from cs3ray.core.mfu import mfu
+from cs3ray.core.precision import autocast, compute_dtype
+from cs3ray.data.shards import read_split
+from cs3ray.models import Transformer, train_flops_per_token
+from cs3ray.ops.cluster import ray_cluster
+from cs3ray.train.driver import prepare_data, train
+
+from .peak import measure_peak
+
+STRATEGIES = ("ddp", "zero1", "fsdp")
+
+
+def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, steps: int) -> float:
+    """Tokens/s of a hand-written single-process loop (the peer). No Ray, no wrappers."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(cfg.model.args())
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                            foreach=True)
+    device = torch.device("cpu")
+    b = t.batch_size
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        x = torch.from_numpy(batches[(i * b) % (len(batches) - b):][:b])
+        with autocast(cfg.precision, device):
+            logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss.detach())  # the same host sync a loop that logs its loss does
+    return b * t.seq_len * steps / (time.perf_counter() - start)
+
+
+def _cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
+    cfg = load_config(cfg_path, overrides + [f"run.dir={os.path.join(root, name)}", f"run.name={name}"])
+    return train(cfg, overwrite=True, quiet=True)
+
+
+def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every mode and return the JSON-able result."""
+    threads = threads or os.cpu_count() or 1
+    if quick:
+        config, warmup, steps = "configs/tiny.yaml", 2, 6
+    else:
+        warmup, steps = 3, 15
+    base = load_config(config)
+    batch = base.train.batch_size
+    per_worker_batch = max(1, batch // 2)
+    log(f"preparing data for {config}")
+    shards, manifest = prepare_data(base)
+    data = read_split(shards, manifest, "val")
+    if len(data) < 2 * batch:  # tiny corpora: fall back to the train split for the peer's batches
+        data = read_split(shards, manifest, "train")
+    flops_per_token = train_flops_per_token(base.model.args(), base.train.seq_len)
+    peak = measure_peak(compute_dtype(base.precision), threads, size=1024 if quick else 2048,
+                        seconds=0.5 if quick else 2.0)
+    log(f"peak {base.precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
+
+    log("plain PyTorch loop (the peer)")
+    baseline = plain_loop(base, data, threads, warmup, steps)
+    log(f"  {baseline:,.0f} tokens/s")
+    # Every cs3ray run: same steps, one log window for warm-up, no evals or checkpoints in the way.
+    common = [f"train.steps={warmup + steps}", f"train.log_every={warmup}" if warmup else "train.log_every=1",
+              f"train.eval_every={warmup + steps}", "train.eval_batches=1", f"checkpoint.every={warmup + steps}",
+              "checkpoint.keep=1"]
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root, ray_cluster(None, num_cpus=threads + 4,
+                                                                                     quiet=True):
+        log("cs3ray, 1 worker")
+        one = _cs3_run(config, common + ["cluster.workers=1", f"cluster.cpus_per_worker={threads}",
+                                         f"train.batch_size={batch}"], root, "one")
+        log(f"  {one['tokens_per_s']:,.0f} tokens/s")
+        for strategy in STRATEGIES:
+            log(f"cs3ray, 2 workers, {strategy}")
+            r = _cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
+                                           f"train.batch_size={per_worker_batch}", f"parallel.strategy={strategy}"],
+                         root, strategy)
+            mem = (r.get("memory") or [{}])[0]
+            results[strategy] = {"tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"],
+                                 "state_bytes_per_worker": mem.get("state_bytes"),
+                                 "peak_mem_bytes": mem.get("peak_bytes")}
+            log(f"  {r['tokens_per_s']:,.0f} tokens/s, state {mem.get('state_bytes', 0) / 1e6:.1f} MB/worker")
+    ddp_state = results["ddp"]["state_bytes_per_worker"] or 1
+    return {
+        "config": config, "threads": threads, "peak_flops": peak, "flops_per_token": flops_per_token,
+        "baseline_tokens_per_s": baseline, "baseline_mfu": mfu(baseline, flops_per_token, 1, peak),
+        "cs3_tokens_per_s": one["tokens_per_s"], "overhead_ratio": one["tokens_per_s"] / baseline,
+        "mfu": mfu(one["tokens_per_s"], flops_per_token, 1, peak), "worker_reported_mfu": one["mfu"],
+        "strategies": results,
+        "fsdp_state_ratio": (results["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state,
+        "steps_measured": steps,
+    }
+
+
+def rows(r: dict[str, Any]) -> list[tuple]:
+    """Table rows: mode, tokens/s, MFU, state MB per worker, peak MB."""
+    out = [("plain PyTorch (peer)", r["baseline_tokens_per_s"], r["baseline_mfu"], "", ""),
+           ("cs3ray 1 worker", r["cs3_tokens_per_s"], r["mfu"], "", "")]
+    for name, s in r["strategies"].items():
+        out.append((f"cs3ray 2 workers {name}", s["tokens_per_s"], s["mfu"],
+                    f"{(s['state_bytes_per_worker'] or 0) / 1e6:.1f}", f"{(s['peak_mem_bytes'] or 0) / 1e6:.1f}"))
+    return out

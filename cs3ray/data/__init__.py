@@ -1,0 +1,6 @@
+"""Data: corpus -> token shards, and the stream of shards into training workers."""
+
+from .corpus import DataError, open_corpus
+from .shards import ShardSpec, ensure_shards, prepare_shards, read_manifest, read_split
+
+__all__ = ["DataError", "ShardSpec", "ensure_shards", "open_corpus", "prepare_shards", "read_manifest", "read_split"]

@@ -1,0 +1,35 @@
+"""Topology on two simulated nodes: ranks ordered by node, tensor-parallel groups node-local."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from cs3ray.core.mesh import Topology, TopologyError
+
+
+def test_ranks_are_node_ordered_and_tp_groups_stay_on_one_node():
+    proc = subprocess.run([sys.executable, "tests/multinode_topology.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    zones = [r["zone"] for r in rows]
+    assert sorted(zones) == ["a", "a", "b", "b"]
+    assert zones[0] == zones[1] and zones[2] == zones[3]  # ordered by node
+    for r in rows:
+        assert len(r["tp_group_nodes"]) == 1  # a TP group never spans nodes
+        assert len(r["local_peers"]) == 2 and r["rank"] in r["local_peers"]
+    assert [r["node_rank"] for r in rows] == [0, 0, 1, 1]
+
+
+def test_layouts_that_would_span_nodes_are_refused():
+    Topology(0, 4, 2, ("a", "a", "b", "b")).check()
+    with pytest.raises(TopologyError, match="different nodes"):
+        Topology(0, 4, 4, ("a", "a", "b", "b")).check()
+    with pytest.raises(TopologyError, match="not ordered by node"):
+        Topology(0, 4, 2, ("a", "b", "a", "b")).check()
+    with pytest.raises(TopologyError, match="does not divide"):
+        Topology(0, 3, 2, ("a", "a", "a")).check()
