@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -225,3 +226,38 @@ def test_cli_serve_missing_run_is_one_line(tmp_path):
                           env=dict(os.environ), cwd=ROOT)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run, step=4)
+    submit = subprocess.run(["ray", "job", "submit", "--address", ray_head.dashboard_url, "--no-wait",
+                             "--working-dir", ".", "--", "python", "jobs/serve.py", str(run), "--port", str(http_port),
+                             "--name", "job-test"], env=ray_head.env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert submit.returncode == 0, submit.stderr
+    job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline, out = time.time() + 120, None
+        while time.time() < deadline:
+            try:
+                out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
+                break
+            except (openai.APIError, OSError):
+                time.sleep(1)
+        assert out is not None and out.system_fingerprint == "step-4"
+    finally:
+        subprocess.run(["ray", "job", "stop", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
+                       capture_output=True, timeout=120)
+    # `ray job stop` sends SIGTERM: the job deletes its app on the way out.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            healthy(base)
+            time.sleep(0.5)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+            break
+    else:
+        raise AssertionError("the app outlived its job")

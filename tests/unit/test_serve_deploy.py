@@ -1,0 +1,46 @@
+"""From a checkpoint to a Serve application: the serve config section, overrides, resources, autoscaling."""
+
+from __future__ import annotations
+
+import pytest
+from serve_checkpoints import make_checkpoint
+
+from cs3ray.errors import UserError
+from cs3ray.serve.deploy import build_app, make_spec
+
+
+def deployment_config(app):
+    dep = app._bound_deployment
+    return dep._deployment_config, dep.ray_actor_options
+
+
+def test_spec_reads_the_checkpoints_serve_section_with_cli_overrides(tmp_path):
+    make_checkpoint(tmp_path / "run", overrides=["serve.max_batch=7", "serve.num_cpus=0.5", "run.name=mine"])
+    spec = make_spec(str(tmp_path / "run"), overrides={"replicas": 3, "dtype": None})
+    assert spec.name == "mine" and spec.run == str(tmp_path / "run")
+    assert spec.serve.max_batch == 7 and spec.serve.replicas == 3 and spec.serve.dtype == "auto"
+    assert spec.engine_options().max_batch == 7 and spec.engine_options().threads == 1
+    config, actor = deployment_config(build_app(spec))
+    assert config.num_replicas == 3 and actor["num_cpus"] == 0.5
+    assert config.autoscaling_config is None
+
+
+def test_autoscaling_from_config(tmp_path):
+    make_checkpoint(tmp_path / "run", overrides=["serve.min_replicas=1", "serve.max_replicas=4",
+                                                 "serve.target_ongoing_requests=24", "serve.num_gpus=0.25"])
+    config, actor = deployment_config(build_app(make_spec(str(tmp_path / "run"))))
+    auto = config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 24)
+    assert actor["num_gpus"] == 0.25
+
+
+def test_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        make_spec(str(tmp_path / "missing"))
+    ckpt = make_checkpoint(tmp_path / "run")
+    with pytest.raises(UserError, match="--follow needs a run directory"):
+        make_spec(ckpt, follow=True)
+    with pytest.raises(UserError, match="serve.dtype"):
+        make_spec(str(tmp_path / "run"), overrides={"dtype": "fp8"})
+    with pytest.raises(UserError, match="--token is empty"):
+        make_spec(str(tmp_path / "run"), token=" ")
