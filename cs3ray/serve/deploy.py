@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import Any, Callable
 
 import yaml
@@ -86,16 +85,17 @@ def shutdown(name: str) -> None:
 
 
 def serve_foreground(spec: ServeSpec, host: str, port: int, on_ready: Callable[[str], None] = print) -> None:
-    """Deploy, wait for Ctrl-C or SIGTERM, then delete the app."""
+    """Deploy, wait for Ctrl-C (SIGINT) or SIGTERM, then delete the app."""
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Handlers for both: a process started in the background by a shell ignores SIGINT by
+    # default, and `ray job stop` / Kubernetes send SIGTERM.
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         url = deploy(spec, host, port)
         on_ready(url)
-        while not stop.is_set():
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(0.2):
+            pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         shutdown(spec.name)

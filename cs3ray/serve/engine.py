@@ -190,14 +190,22 @@ class Engine:
         self._sample(seqs, logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        greedy = [i for i, s in enumerate(seqs) if s.req.params.temperature <= 0]
         picks: dict[int, int] = {}
+        greedy = [i for i, s in enumerate(seqs) if s.req.params.temperature <= 0]
         if greedy:
-            # One argmax over all greedy rows; rows with their own sampler settings go one by one.
-            best = logits[greedy].float().argmax(-1).tolist()
-            picks.update(zip(greedy, best))
+            # One argmax over all greedy rows.
+            picks.update(zip(greedy, logits[greedy].float().argmax(-1).tolist()))
+        plain = [i for i, s in enumerate(seqs) if i not in picks and s.req.params.top_k == 0
+                 and s.req.params.top_p >= 1.0]
+        if plain:
+            # Temperature-only rows share one softmax; each row still draws from its own generator,
+            # so a seeded request samples the same tokens whoever else is in the batch.
+            temps = torch.tensor([seqs[i].req.params.temperature for i in plain], device=logits.device)
+            probs = torch.softmax(logits[plain].float() / temps.unsqueeze(1), dim=-1)
+            for row, i in enumerate(plain):
+                picks[i] = int(torch.multinomial(probs[row], 1, generator=seqs[i].generator))
         for i, s in enumerate(seqs):
-            if i not in picks:
+            if i not in picks:  # top-k / top-p rows take the full sampler
                 picks[i] = int(sample_next(logits[i:i + 1], s.req.params, s.generator).item())
         self.metrics.tokens(len(seqs))
         for i, s in enumerate(seqs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cs3ray.models import PRESETS, KVCache, Transformer
@@ -107,13 +108,16 @@ def test_budget_limits_slots():
         raise AssertionError("a budget below one context must be refused")
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=16, seed=1234),
+                                    SamplingParams(temperature=0.7, max_tokens=16, seed=99)])
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(params):
     m = model()
-    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=16, seed=1234)
     alone = run(Engine(m, EOS), [GenRequest(prompts(1)[0], params, ignore_eos=True)])[0]
     others = [GenRequest(p, SamplingParams(temperature=1.0, max_tokens=16, seed=i)) for i, p in enumerate(prompts(4))]
     mixed = run(Engine(m, EOS), others[:2] + [GenRequest(prompts(1)[0], params, ignore_eos=True)] + others[2:])[2]
     assert text(mixed) == text(alone)
+    again = run(Engine(m, EOS), [GenRequest(prompts(1)[0], params, ignore_eos=True)])[0]
+    assert text(again) == text(alone)  # same seed, same tokens
 
 
 def test_stop_strings_are_cut_and_never_streamed():
