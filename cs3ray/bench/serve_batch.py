@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from cs3ray.ckpt import load_for_inference
-from cs3ray.serve.app import read_json, sse
+from cs3ray.serve.app import freeze_heap, read_json, sse
 from cs3ray.serve.engine import Engine, EngineOptions
 from cs3ray.serve.pump import EventPump
 from cs3ray.serve.schemas import APIError, CompletionRequest, completion_body, new_id, parse, prompt_ids, usage
@@ -47,6 +47,7 @@ class RequestBatchServer:
         self.tokenizer, self.context = loaded.tokenizer, loaded.model.args.max_seq_len
         self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, EngineOptions(max_batch=MAX_BATCH_SIZE, threads=max(1, int(spec.serve.num_cpus))))
         threading.Thread(target=self.engine.loop, daemon=True).start()
+        freeze_heap()  # as cs3ray's server does
 
     @batch_api.get("/healthz")
     async def healthz(self) -> dict:
