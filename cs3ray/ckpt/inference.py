@@ -14,8 +14,8 @@ from cs3ray.models import ByteTokenizer
 from cs3ray.models.factory import model_from_config
 from cs3ray.storage import Storage, StorageError, open_url
 
-from .manager import dcp_reader, list_steps, step_dir
-from .manifest import MANIFEST, CheckpointError, verify
+from .locations import list_steps, open_folder, step_dir
+from .manifest import MANIFEST, CheckpointError
 
 
 @dataclass
@@ -54,15 +54,15 @@ def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
 def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Verify a checkpoint and load its weights into a fresh model, whatever strategy wrote it."""
     folder = resolve_checkpoint(run, options)
-    manifest = verify(folder)
+    loc, step, manifest = open_folder(folder)
     try:
-        cfg = build_config(yaml.safe_load(folder.read_text("config.yaml")), source=f"{folder.url}/config.yaml")
-        tokenizer = ByteTokenizer.from_json(folder.read_text("tokenizer.json"))
+        cfg = build_config(yaml.safe_load(loc.read(step, "config.yaml", manifest)), source=f"{folder.url}/config.yaml")
+        tokenizer = ByteTokenizer.from_json(loc.read(step, "tokenizer.json", manifest).decode())
     except StorageError as exc:
         raise CheckpointError(f"checkpoint '{folder.url}' is incomplete: {exc}") from None
     model = model_from_config(cfg)
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=dcp_reader(folder))
+    dcp.load(state, storage_reader=loc.reader(step, manifest))
     model.load_state_dict(state["model"])
     model.to(dtype).eval()
     return LoadedModel(model, tokenizer, cfg, int(manifest["step"]), folder.url)

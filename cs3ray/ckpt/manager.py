@@ -1,24 +1,32 @@
-"""The checkpoint manager: save / load / latest / close, over DCP on any fsspec URL.
+"""The checkpoint manager: save / load / latest / close, over DCP on any fsspec URL, in tiers.
 
 Layout under the run directory (later tiers extend it, never replace it):
 
     step-00000100/
-        __0_0.distcp ...     DCP shards (model + optimizer), one file per rank
         .metadata            DCP's index of the shards (a pickle: only read after verification)
         rank-00000.pt        per-rank state (RNG), loadable with weights_only=True
         state.json           step, tokens seen, schedule, scaler ... (JSON)
         config.yaml          the resolved job config
         tokenizer.json       the tokenizer, so the folder describes itself
-        manifest.json        files + sizes + sha256, written last
+        manifest.json        files + sizes + sha256 + the chunks it references, written last
+    chunks/ab/ab12...        tensor data, content-addressed (shared by checkpoints: incremental)
+
+Tiers of one save: (t0) memory: every rank's chunks go to its node's keeper actor and one
+other node's; (t1) the folder above, written in a background thread when async (only the
+copy of the tensors blocks training); (t2) a copy in every `replicas` URL. Format-1
+checkpoints (plain `__R_0.distcp` files, no chunks) still load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
-import re
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,19 +34,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.utils._pytree import tree_map
 
-from cs3ray.storage import Storage, is_remote, open_url
+from cs3ray.storage import Storage, StorageError, is_remote, open_url
 
-from .manifest import MANIFEST, CheckpointError, read_manifest, verify, write_manifest
+from .chunks import ChunkStore, ChunkWriter
+from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
+from .manifest import CheckpointError, write_manifest
 
 log = logging.getLogger(__name__)
 # Loading or saving in one process (inference, export, tests) is intended, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-STEP_RE = re.compile(r"^step-(\d{8})$")
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def _rank() -> int:
@@ -49,9 +56,9 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _broadcast(obj: Any) -> Any:
@@ -63,7 +70,17 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _all_ok(ok: bool) -> bool:
+    """True only when `ok` is true on every rank (so every rank takes the same fallback)."""
+    if not dist.is_initialized():
+        return ok
+    t = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(t)
+    return float(t) == 0.0
+
+
 def dcp_writer(folder: Storage):
+    """A plain DCP writer (format-1 layout); the manager itself writes chunks."""
     if is_remote(folder.url):
         return FsspecWriter(folder.url, **folder.fs.storage_options)
     return FileSystemWriter(folder.url)
@@ -75,103 +92,225 @@ def dcp_reader(folder: Storage):
     return FileSystemReader(folder.url)
 
 
-def list_steps(run: Storage) -> list[int]:
-    """Steps of complete checkpoints (a manifest present), oldest first."""
-    steps = []
-    for name in run.ls():
-        m = STEP_RE.match(name)
-        if m and run.exists(name, MANIFEST):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+def stage(state: Any) -> Any:
+    """A private CPU copy of every tensor in `state` (the device-to-host copy that blocks)."""
+    def copy(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.device.type == "cpu" or hasattr(x, "device_mesh"):
+            return x.detach().clone()
+        return x.detach().to("cpu", copy=True)
+    return tree_map(copy, state)
+
+
+@dataclass
+class Restored:
+    """What `load` used: the step, the tier (memory | peer | storage | replica) and its URL."""
+
+    step: int
+    source: str
+    url: str
 
 
 class CheckpointManager:
-    """Sharded, checksummed checkpoints of one run; every method is called on every rank."""
+    """Sharded, checksummed, incremental checkpoints of one run; every method is called on every rank."""
 
-    def __init__(self, run_url: str, storage_options: dict | None = None, keep: int = 3) -> None:
+    def __init__(self, run_url: str, storage_options: dict | None = None, keep: int = 3, *,
+                 async_mode: str = "disabled", replicas: list[str] | None = None, memory_tier: bool = False,
+                 incremental: bool = True) -> None:
         self.run = open_url(run_url, storage_options)
-        self.keep = keep
+        self.keep, self.async_mode, self.incremental = keep, async_mode, incremental
+        self.primary = StorageLocation(self.run, "storage")
+        self.replicas = [StorageLocation(open_url(u, storage_options), "replica") for u in replicas or []]
+        self.memory = None
+        if memory_tier:
+            import ray
+
+            if ray.is_initialized():
+                from .keeper import MemoryTier
+
+                self.memory = MemoryTier(self.run.url)
+        self.last_restore: Restored | None = None
+        self.last_save: dict[str, Any] = {}
+        self._known: set[str] = set()  # chunks of this rank's previous checkpoint (all still referenced)
+        self._pending: Future | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_mode == "async" else None
+        # Background saves talk over their own gloo group, never the training group's stream.
+        self._group = dist.new_group(backend="gloo") if self._pool and dist.is_initialized() else None
+
+    @classmethod
+    def from_config(cls, run_url: str, cfg: Any) -> "CheckpointManager":
+        """The manager a job config asks for (checkpoint and storage sections)."""
+        c = cfg.checkpoint
+        return cls(run_url, cfg.storage.options, c.keep, async_mode=c.async_mode, replicas=list(c.replicas),
+                   memory_tier=c.memory_tier, incremental=c.incremental)
 
     def steps(self) -> list[int]:
         return list_steps(self.run)
 
     def latest(self) -> int | None:
-        """Newest complete checkpoint's step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """Newest complete checkpoint's step (in storage or memory), or None."""
+        steps = self.steps() + (MemoryLocation(self.memory).steps() if self.memory else [])
+        return max(steps) if steps else None
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any],
              files: dict[str, str]) -> str:
-        """Write a checkpoint of `step`; returns its URL once the manifest is committed.
+        """Checkpoint `step`; returns its URL (in async mode, before the write has finished).
 
         state: DCP state dict (sharded tensors, same keys on every rank); meta: JSON-able run
         state written by rank 0; rank_state: this rank's own tensors (RNG); files: extra text
-        files by name (config, tokenizer).
+        files by name (config, tokenizer). Returns once the tensors are copied when async.
         """
-        name = step_dir(step)
-        folder = self.run.child(name)
-        if _rank() == 0 and self.run.exists(name):
-            folder.rm()  # an earlier attempt at this step that never got its manifest
-        _barrier()
-        dcp.save(state, storage_writer=dcp_writer(folder))
+        self.wait()  # one save at a time: GC and dedup rely on it
         buf = io.BytesIO()
         torch.save(rank_state, buf)
-        folder.write_bytes(buf.getvalue(), f"rank-{_rank():05d}.pt")
-        if _rank() == 0:
-            folder.write_text(json.dumps(meta, indent=1, sort_keys=True), "state.json")
-            for fname, text in files.items():
-                folder.write_text(text, fname)
-        _barrier()
-        if _rank() == 0:
-            write_manifest(folder, step, _world(), {"meta": meta})
-            self._prune()
-        _barrier()
-        return folder.url
+        job = (step, state, json.loads(json.dumps(meta)), buf.getvalue(), dict(files))
+        if self._pool is None:
+            self._write(*job)
+        else:
+            self._staged.clear()
+            staged = stage(state)
+            self._staged.set()
+            self._pending = self._pool.submit(self._write, step, staged, *job[2:])
+        return self.run.child(step_dir(step)).url
 
-    def _prune(self) -> None:
-        """Keep the newest `keep` complete checkpoints; drop older ones and stale partial folders."""
-        steps = self.steps()
-        keep = set(steps[-self.keep:])
-        newest = steps[-1] if steps else -1
-        for name in self.run.ls():
-            m = STEP_RE.match(name)
-            if not m:
-                continue
-            s = int(m.group(1))
-            if s not in keep and s <= newest:
-                self.run.child(name).rm()
+    def wait_staged(self) -> None:
+        """Block until the last save's tensors are copied; call before the optimizer changes weights."""
+        self._staged.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(self, step: int, state: dict, meta: dict, rank_file: bytes, files: dict[str, str]) -> None:
+        group, rank = self._group, _rank()
+        folder = self.run.child(step_dir(step))
+        if rank == 0 and self.run.exists(step_dir(step)):
+            folder.rm()  # an earlier attempt at this step that never got its manifest
+        _barrier(group)
+        writer = ChunkWriter(folder, ChunkStore(self.run), self._known if self.incremental else frozenset())
+        try:
+            try:
+                dcp.save(state, storage_writer=writer, process_group=group)
+            except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
+                cause = next(iter(exc.failures.values()), exc)
+                raise CheckpointError(f"checkpoint of step {step} to '{folder.url}' failed: {cause!r}") from None
+            rank_name = f"rank-{rank:05d}.pt"
+            folder.write_bytes(rank_file, rank_name)
+            small = {}
+            if rank == 0:
+                small = {"state.json": json.dumps(meta, indent=1, sort_keys=True).encode(),
+                         **{k: v.encode() for k, v in files.items()}}
+                for name, blob in small.items():
+                    folder.write_bytes(blob, name)
+            if self.memory is not None:
+                self.memory.push(step, writer.blobs, {rank_name: rank_file})
+            _barrier(group)
+            if rank == 0:
+                self._commit(step, folder, meta, files, writer, small)
+            _barrier(group)
+        except BaseException:
+            self._known = set()  # what this rank wrote may not be referenced by anything
+            raise
+        self._known = set(writer.blobs)
+
+    def _commit(self, step: int, folder: Storage, meta: dict, files: dict[str, str], writer: ChunkWriter,
+                small: dict[str, bytes]) -> None:
+        """Rank 0: manifest (t1 visible), memory commit (t0), replicas (t2), then GC."""
+        config = files.get("config.yaml", "")
+        total = sum(writer.chunks.values())
+        manifest = write_manifest(folder, step, _world(), {
+            "meta": meta, "chunks": writer.chunks, "config_hash": hashlib.sha256(config.encode()).hexdigest(),
+            "bytes_total": total, "bytes_written": writer.new_bytes})
+        if self.memory is not None:
+            from .chunks import METADATA
+
+            self.memory.commit(step, manifest, {**small, METADATA: folder.read_bytes(METADATA)})
+        for rep in self.replicas:
+            try:
+                replicate(self.primary, rep, step, manifest)
+                collect(rep, self.keep)
+            except (StorageError, CheckpointError) as exc:
+                log.warning("replica '%s' not updated: %s", rep.url, exc)
+        collect(self.primary, self.keep)
+        self.last_save = {"step": step, "bytes_total": total, "bytes_written": writer.new_bytes}
+
+    def locations(self) -> list:
+        """Restore order: memory, primary, replicas."""
+        out: list = [MemoryLocation(self.memory)] if self.memory is not None else []
+        return out + [self.primary, *self.replicas]
 
     def load(self, state: dict[str, Any], step: int | None = None) -> tuple[int, dict, dict | None]:
         """Load the newest good checkpoint (or `step`) into `state` in place.
 
-        Returns (step, meta, this rank's rank_state or None when the world size changed).
-        Checksums are verified by rank 0 before any rank reads a byte; a corrupt newest
-        checkpoint falls back to the one before it, saying so.
+        Returns (step, meta, this rank's rank_state or None when the world size changed);
+        `last_restore` says which tier it came from. Rank 0 verifies checksums before any
+        rank reads a byte; a corrupt or missing copy falls back memory -> primary -> replica
+        -> the previous checkpoint, saying so.
         """
-        candidates = [step] if step is not None else list(reversed(self.steps()))
-        chosen, problems = None, []
-        if _rank() == 0:
-            for s in candidates:
+        self.wait()
+        locs = self.locations()
+        attempts = _broadcast(self._plan(locs, step) if _rank() == 0 else None)
+        problems: list[str] = []
+        for s, i in attempts:
+            loc = locs[i]
+            manifest, problem = None, None
+            if _rank() == 0:
                 try:
-                    verify(self.run.child(step_dir(s)))
-                    chosen = s
-                    break
-                except CheckpointError as exc:
-                    problems.append(str(exc))
-                    log.warning("skipping checkpoint: %s", exc)
-        chosen, problems = _broadcast((chosen, problems))
-        if chosen is None:
-            detail = f": {problems[0]}" if problems else ""
-            raise CheckpointError(f"no loadable checkpoint in '{self.run.url}'{detail}")
-        folder = self.run.child(step_dir(chosen))
-        dcp.load(state, storage_reader=dcp_reader(folder))
-        meta = json.loads(folder.read_text("state.json"))
-        manifest = read_manifest(folder)
-        rank_state = None
-        if manifest["world_size"] == _world():
-            raw = folder.read_bytes(f"rank-{_rank():05d}.pt")
-            rank_state = torch.load(io.BytesIO(raw), weights_only=True)
-        return chosen, meta, rank_state
+                    manifest = loc.check(s)
+                except (CheckpointError, StorageError) as exc:
+                    problem = str(exc)
+            manifest, problem = _broadcast((manifest, problem))
+            if manifest is None:
+                problems.append(problem)
+                log.warning("skipping checkpoint: %s", problem)
+                continue
+            try:
+                meta = json.loads(loc.read(s, "state.json", manifest))
+                rank_state = None
+                if manifest["world_size"] == _world():
+                    raw = loc.read(s, f"rank-{_rank():05d}.pt", manifest)
+                    rank_state = torch.load(io.BytesIO(raw), weights_only=True)
+                ok = True
+            except (CheckpointError, StorageError) as exc:
+                ok, problem = False, str(exc)
+            if _all_ok(ok):
+                try:
+                    dcp.load(state, storage_reader=loc.reader(s, manifest))
+                except (CheckpointException, CheckpointError, StorageError) as exc:
+                    ok, problem = False, str(exc).splitlines()[0][:300]
+            if not ok or not _all_ok(ok):
+                problems.append(problem or "another rank could not read it")
+                log.warning("skipping checkpoint: %s %s: %s", loc.label, s, problem)
+                continue
+            source = loc.label
+            if isinstance(loc, MemoryLocation) and not _all_ok(not loc.tier.peer_used):
+                source = "peer"  # some rank read a copy held by another node's keeper
+            self.last_restore = Restored(s, source, getattr(loc, "url", ""))
+            log.info("restored step %d from %s", s, source)
+            return s, meta, rank_state
+        detail = f": {problems[0]}" if problems else ""
+        raise CheckpointError(f"no loadable checkpoint in '{self.run.url}'{detail}")
+
+    def _plan(self, locs: list, step: int | None) -> list[tuple[int, int]]:
+        """(step, location index) pairs to try, newest step first, tiers in order within a step."""
+        have = [set(loc.steps()) for loc in locs]
+        primary = have[len(locs) - 1 - len(self.replicas)]
+        if self.memory is not None and primary:
+            # Memory commits after the primary's manifest, so a memory snapshot missing from a
+            # non-empty primary belongs to an older run that used this URL.
+            have[0] &= primary
+        steps = [step] if step is not None else sorted(set().union(*have), reverse=True)
+        return [(s, i) for s in steps for i in range(len(locs)) if s in have[i]]
 
     def close(self) -> None:
-        """Nothing is in flight in synchronous mode; async tiers wait here."""
+        """Wait for the save in flight and release the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

@@ -1,0 +1,204 @@
+"""Content-addressed tensor chunks, and the DCP StorageWriter/Reader that store checkpoints in them.
+
+Every DCP write item (a tensor shard or a bytes object) becomes one chunk named by the
+sha256 of its raw bytes, under <run>/chunks/<2 hex>/<sha256>. A chunk that the previous
+checkpoint already wrote is referenced, not rewritten, so a fine-tune with frozen layers
+writes little more than what changed. The step folder's `.metadata` maps each item to its
+chunk (builtins only), and the reader checks every chunk's hash before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import posixpath
+import warnings
+from torch.futures import Future
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from cs3ray.storage import Storage, StorageError
+
+from .manifest import CheckpointError
+
+METADATA = ".metadata"
+
+
+def digest(blob: Any) -> str:
+    return hashlib.sha256(memoryview(blob)).hexdigest()
+
+
+def tensor_blob(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a CPU tensor as a uint8 array (a view: no copy for contiguous tensors)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+
+
+def blob_tensor(blob: Any, dtype: str, shape: list[int]) -> torch.Tensor:
+    raw = np.frombuffer(memoryview(blob), dtype=np.uint8)
+    with warnings.catch_warnings():  # read-only buffers are fine: the result is only copied from
+        warnings.simplefilter("ignore")
+        t = torch.from_numpy(raw) if raw.size else torch.zeros(0, dtype=torch.uint8)
+    return t.view(getattr(torch, dtype.removeprefix("torch."))).reshape(shape)
+
+
+class ChunkStore:
+    """The chunk folder of one run: put/get by sha256, listing and deletion for GC."""
+
+    def __init__(self, run: Storage) -> None:
+        self.root = run.child("chunks")
+
+    @staticmethod
+    def name(h: str) -> tuple[str, str]:
+        return h[:2], h
+
+    def put(self, h: str, blob: Any) -> None:
+        self.root.write_bytes(memoryview(blob).tobytes() if not isinstance(blob, bytes) else blob, *self.name(h))
+
+    def get(self, h: str) -> bytes:
+        """A chunk's bytes, after checking they still hash to its name."""
+        try:
+            blob = self.root.read_bytes(*self.name(h))
+        except StorageError as exc:
+            raise CheckpointError(f"chunk {h[:12]} is missing: {exc}") from None
+        if digest(blob) != h:
+            raise CheckpointError(f"chunk '{self.root.url}/{h[:2]}/{h}' does not match its checksum (corrupt).")
+        return blob
+
+    def sizes(self) -> dict[str, int]:
+        """Every stored chunk and its size (one listing)."""
+        fs, root = self.root.fs, self.root.path()
+        if not self.root.exists():
+            return {}
+        out = {}
+        for path, info in fs.find(root, detail=True).items():
+            name = posixpath.basename(path)
+            if len(name) == 64 and ".tmp-" not in name:
+                out[name] = int(info.get("size") or 0)
+        return out
+
+    def delete(self, h: str) -> None:
+        self.root.rm(*self.name(h))
+
+
+class ChunkWriter(StorageWriter):
+    """DCP writer: each item to a content-addressed chunk, `.metadata` into the step folder."""
+
+    def __init__(self, folder: Storage, store: ChunkStore, known: set[str] | frozenset = frozenset()) -> None:
+        super().__init__()
+        self.folder, self.store, self.known = folder, store, known
+        self.blobs: dict[str, Any] = {}      # this rank's chunks (for the memory tier)
+        self.chunks: dict[str, int] = {}     # every chunk of the checkpoint (coordinator, after finish)
+        self.new_bytes = 0                   # bytes all ranks newly wrote (coordinator, after finish)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blob = np.frombuffer(data.getvalue(), dtype=np.uint8)
+                info: dict[str, Any] = {"kind": "bytes"}
+            else:
+                tensor = data.detach().cpu()
+                blob = tensor_blob(tensor)
+                info = {"kind": "tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
+            h = digest(blob)
+            new = h not in self.known and h not in self.blobs
+            if new:
+                self.store.put(h, blob)
+            self.blobs[h] = blob
+            info.update(chunk=h, size=int(blob.nbytes), new=new)
+            results.append(WriteResult(index=item.index, size_in_bytes=int(blob.nbytes), storage_data=info))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = {}
+        for rank_results in results:
+            for wr in rank_results:
+                storage[wr.index] = wr.storage_data
+                self.chunks[wr.storage_data["chunk"]] = wr.storage_data["size"]
+                self.new_bytes += wr.storage_data["size"] if wr.storage_data["new"] else 0
+        metadata.storage_data = storage
+        self.folder.write_bytes(pickle.dumps(metadata), METADATA)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class ChunkReader(StorageReader):
+    """DCP reader over chunks: `metadata()` gives verified `.metadata` bytes, `fetch(h)` verified chunks."""
+
+    def __init__(self, metadata: Callable[[], bytes], fetch: Callable[[str], Any]) -> None:
+        super().__init__()
+        self._metadata, self.fetch = metadata, fetch
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # The bytes were checked against the manifest's sha256 before this unpickles them.
+        metadata = pickle.loads(self._metadata())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_chunk: dict[str, list] = {}
+        for req in plan.items:
+            by_chunk.setdefault(self.storage_data[req.storage_index]["chunk"], []).append(req)
+        for h, reqs in by_chunk.items():
+            blob = self.fetch(h)  # each chunk is fetched (and hash-checked) once
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(memoryview(blob).tobytes()))
+                    continue
+                tensor = narrow_tensor_by_index(blob_tensor(blob, info["dtype"], info["shape"]),
+                                                req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointError(f"checkpoint tensor {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
+                                          f"the model expects {tuple(target.size())}.")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
