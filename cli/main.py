@@ -20,6 +20,7 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(cache_cmd.app, name="cache")
+app.add_typer(__import__("cs3ray_cli.ckpt_cmd", fromlist=["app"]).app, name="ckpt")
 
 
 def main() -> None:

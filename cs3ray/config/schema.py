@@ -83,6 +83,8 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     clip: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables clipping.")
     seed: int = Field(0, description="Seed for weights and data order.")
+    init_from: str | None = Field(None, description="Start from the model weights of this run or checkpoint (any strategy or world size); no optimizer state.")
+    freeze: list[str] = Field(default_factory=list, description="Glob patterns of parameter names to freeze, e.g. 'tok_emb.*', 'blocks.[0-6].*'.")
     eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
     eval_batches: int = Field(8, ge=1, description="Validation batches per pass (split over workers).")
     log_every: int = Field(10, ge=1, description="Steps between metric reports.")
@@ -99,7 +101,12 @@ class ParallelConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(100, ge=1, description="Steps between checkpoints (one is always taken at the end).")
-    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones and chunks no kept one references are deleted.")
+    async_mode: Literal["disabled", "async"] = Field(
+        "disabled", description="'async': only the copy of the tensors blocks training; the write runs in the background.")
+    replicas: list[str] = Field(default_factory=list, description="URLs that get a copy of every checkpoint (restored from when the primary fails).")
+    memory_tier: bool = Field(True, description="Keep the newest snapshot in the Ray object store (this node's keeper and one other node's).")
+    incremental: bool = Field(True, description="Store tensors as content-addressed chunks and reference the unchanged ones instead of rewriting them.")
 
 
 class ClusterConfig(Section):
