@@ -71,3 +71,15 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
             for mode, cells in res["modes"].items() for c, cell in cells.items()]
     emit("serve: tokens/s and latency (ms)", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
                                               "itl p99", "errors"], rows, r, as_json)
+
+
+@app.command("ckpt")
+@user_errors
+def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),
+             quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Checkpoint overhead sync vs async, fine-tune incremental size, restore from memory vs S3."""
+    from cs3ray.bench import ckpt as ckpt_bench
+
+    r = ckpt_bench.run(config, quick, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"checkpoints ({r['config']})", ["measure", "unit", "value"], ckpt_bench.rows(r),
+         {k: r[k] for k in ckpt_bench.JSON_KEYS}, as_json)

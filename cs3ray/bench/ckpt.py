@@ -1,0 +1,194 @@
+"""`cs3 bench ckpt`: checkpoint overhead (sync vs async), incremental size, memory vs S3 restore.
+
+Training steps run in this process through the compute core (no Ray), as the workers run
+them; only part 3 starts an embedded Ray, because the memory tier lives in keeper actors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from cs3ray.ckpt import CheckpointManager
+from cs3ray.ckpt.finetune import apply_freeze, load_init_weights
+from cs3ray.config import load_config, to_yaml
+from cs3ray.models import ByteTokenizer
+
+JSON_KEYS = ["interval_steps", "sync_overhead_pct", "async_overhead_pct", "incremental_size_ratio",
+             "changed_fraction", "save_s", "restore_memory_s", "restore_storage_s"]
+QUICK = ["model.preset=tiny", "train.batch_size=4", "train.seq_len=64"]
+
+
+class _Trainer:
+    """One rank's compute core fed random token batches, with the loop's checkpoint calls."""
+
+    def __init__(self, cfg, freeze: list[str] | None = None, init_from: str | None = None) -> None:
+        import cs3ray.core.engine as engine
+        from cs3ray.core.mesh import Topology
+
+        self.cfg = cfg
+        if freeze:
+            # The compute core builds its model inside; freeze it between construction and the optimizer.
+            real = engine.model_from_config
+            engine.model_from_config = lambda c: _frozen(real(c), freeze)
+        try:
+            self.core = engine.ComputeCore(cfg, torch.device("cpu"), Topology(0, 1, 1, ("n0",)))
+        finally:
+            if freeze:
+                engine.model_from_config = real
+        if init_from:
+            load_init_weights(self.core.model, init_from)
+        self.rng = np.random.default_rng(0)
+        self.step_no = 0
+
+    def step(self, mgr: CheckpointManager | None = None) -> None:
+        t = self.cfg.train
+        batch = self.rng.integers(0, 256, (t.batch_size, t.seq_len + 1)).astype(np.int64)
+        if mgr is not None:
+            mgr.wait_staged()  # where the loop waits: before the optimizer changes weights
+        self.core.step(lambda: batch, t.lr)
+        self.step_no += 1
+
+    def save(self, mgr: CheckpointManager) -> None:
+        files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
+        mgr.save(self.step_no, self.core.state(), {"step": self.step_no}, {"torch": torch.get_rng_state()}, files)
+
+
+def _frozen(model, patterns):
+    apply_freeze(model, patterns)
+    return model
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _state_bytes(state: dict) -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(node, torch.Tensor):
+            flat[prefix] = node.detach().clone()
+    walk("", state)
+    return flat
+
+
+def run(config: str = "configs/small.yaml", quick: bool = False, log: Callable[[str], None] | None = None) -> dict:
+    """All three parts; returns the issue's JSON keys plus detail."""
+    say = log or (lambda m: None)
+    cfg = load_config(config, (QUICK if quick else []) + ["precision=fp32"])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    work = tempfile.mkdtemp(prefix="cs3-bench-ckpt-")
+    out: dict[str, Any] = {"config": config}
+    try:
+        # (1) step time with no checkpoints, then sync and async every K steps.
+        tr = _Trainer(cfg)
+        tr.step()  # warm-up
+        step_s = min(_timed(tr.step) for _ in range(3))
+        sync = CheckpointManager(f"{work}/sync", keep=2)
+        save_s = float("inf")
+        for _ in range(2):  # a step in between, so every trainable chunk changes as in training
+            tr.step()
+            save_s = min(save_s, _timed(lambda: tr.save(sync)))
+        k = max(1, int(save_s / (0.25 * step_s)))  # sync then costs >= 20% of step time (about 25%)
+        say(f"step {step_s:.3f}s, sync save {save_s:.3f}s -> checkpoint every {k} steps")
+        n = 3 * k
+        times = {}
+        for mode in ("none", "sync", "async"):
+            mgr = None if mode == "none" else CheckpointManager(
+                f"{work}/{mode}", keep=2, async_mode="async" if mode == "async" else "disabled")
+
+            def loop() -> None:
+                for i in range(1, n + 1):
+                    tr.step(mgr)
+                    if mgr is not None and i % k == 0 and i < n:
+                        tr.save(mgr)
+                if mgr is not None:
+                    mgr.close()  # the async writes must be finished inside the timed window
+            times[mode] = _timed(loop)
+            say(f"{mode}: {times[mode] / n:.3f}s/step")
+        out.update(interval_steps=k, step_s=step_s, save_s=save_s,
+                   sync_overhead_pct=100 * (times["sync"] - times["none"]) / times["none"],
+                   async_overhead_pct=100 * (times["async"] - times["none"]) / times["none"],
+                   step_s_by_mode={m: t / n for m, t in times.items()})
+
+        # (2) fine-tune with embeddings and all blocks but the last frozen: second checkpoint's new bytes.
+        pre = CheckpointManager(f"{work}/pre", keep=1)
+        tr.save(pre)
+        layers = cfg.model.args().n_layers
+        freeze = ["tok_emb.*"] + ([f"blocks.[0-{layers - 2}].*"] if layers > 1 else [])
+        ft = _Trainer(cfg, freeze=freeze, init_from=f"{work}/pre")
+        mgr = CheckpointManager(f"{work}/ft", keep=2)
+        ft.step()
+        ft.save(mgr)
+        first = _state_bytes(ft.core.state())
+        ft.step()
+        ft.save(mgr)
+        second = _state_bytes(ft.core.state())
+        total = sum(t.numel() * t.element_size() for t in second.values())
+        changed = sum(t.numel() * t.element_size() for k2, t in second.items() if not torch.equal(t, first[k2]))
+        out.update(changed_fraction=changed / total,
+                   incremental_size_ratio=mgr.last_save["bytes_written"] / mgr.last_save["bytes_total"],
+                   full_checkpoint_bytes=mgr.last_save["bytes_total"], incremental_bytes=mgr.last_save["bytes_written"])
+        say(f"fine-tune: wrote {out['incremental_size_ratio']:.4f} of a full checkpoint, "
+            f"changed {out['changed_fraction']:.4f}")
+
+        # (3) restore: memory tier (keeper actors) vs the loopback S3 endpoint.
+        out.update(_restore(tr, cfg, say))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _restore(tr: _Trainer, cfg, say) -> dict[str, float]:
+    import ray
+
+    from cs3ray.bench.loopback_s3 import MotoServer, make_bucket, s3_options
+
+    moto = MotoServer()
+    started = False
+    try:
+        make_bucket(moto.url, "cs3")
+        options = s3_options(moto.url)
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            started = True
+        url = f"s3://cs3/bench-{int(time.time())}"
+        mgr = CheckpointManager(url, options, memory_tier=True)
+        tr.save(mgr)
+        state = tr.core.state()
+        results = {}
+        for name, memory in (("restore_memory_s", True), ("restore_storage_s", False)):
+            best = float("inf")
+            for _ in range(2):
+                loader = CheckpointManager(url, options, memory_tier=memory)
+                best = min(best, _timed(lambda: loader.load(state)))
+                assert loader.last_restore.source == ("memory" if memory else "storage")
+            results[name] = best
+        say(f"restore: memory {results['restore_memory_s']:.3f}s, S3 {results['restore_storage_s']:.3f}s")
+        return results
+    finally:
+        if started:
+            ray.shutdown()
+        moto.stop()
+
+
+def rows(r: dict) -> list[tuple]:
+    return [("checkpoint every K steps", "K", r["interval_steps"]),
+            ("sync overhead", "% of step time", r["sync_overhead_pct"]),
+            ("async overhead", "% of step time", r["async_overhead_pct"]),
+            ("fine-tune 2nd checkpoint", "bytes / full", r["incremental_size_ratio"]),
+            ("state really changed", "fraction", r["changed_fraction"]),
+            ("sync save", "s", r["save_s"]),
+            ("restore from memory", "s", r["restore_memory_s"]),
+            ("restore from S3 (moto)", "s", r["restore_storage_s"])]
