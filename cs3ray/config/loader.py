@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,16 +25,21 @@ def _describe_allowed(model: type[BaseModel], path: list[str]) -> str:
     for key in path:
         field = model.model_fields.get(key)
         ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # Unions such as `int | ElasticWorkers`: descend into the model member.
+        ann = next((a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if ann is None:
             return ""
         model = ann
     return ", ".join(model.model_fields)
 
 
 def _format_error(err: ValidationError, source: str) -> str:
-    """The first validation error as one sentence: where, what value, what is allowed."""
-    e = err.errors()[0]
-    loc = [str(p) for p in e["loc"]]
+    """The most relevant validation error as one sentence: where, what value, what is allowed."""
+    errors = err.errors()
+    # A union (an int or a {min, max} mapping) reports one error per member; show the error of
+    # the member the user evidently meant: the mapping's when they wrote a mapping.
+    e = next((x for x in errors if not (isinstance(x.get("input"), dict) and x["type"].startswith("int_"))), errors[0])
+    loc = [str(p) for p in e["loc"] if not _is_union_member(p)]
     where = ".".join(loc) or "config"
     if e["type"] == "extra_forbidden":
         allowed = _describe_allowed(JobConfig, loc[:-1])
@@ -43,9 +49,20 @@ def _format_error(err: ValidationError, source: str) -> str:
         msg = msg[len("Value error, "):]
     if e["type"] in ("value_error",) and not loc:
         return f"{source}: {msg}."
+    if e["type"] == "missing":
+        return f"{source}: {where} is required."
     value = e.get("input")
-    shown = json.dumps(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = type(value).__name__
     return f"{source}: {where}={shown} is invalid: {msg}."
+
+
+def _is_union_member(part: object) -> bool:
+    """pydantic names union members in error locations ('int', 'ElasticWorkers'); users do not."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool") or part[:1].isupper()
+                                      or part.startswith("function-"))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -109,12 +109,48 @@ class CheckpointConfig(Section):
     incremental: bool = Field(True, description="Store tensors as content-addressed chunks and reference the unchanged ones instead of rewriting them.")
 
 
+class ElasticWorkers(Section):
+    min: int = Field(..., ge=1, description="Fewest workers to train with (the run shrinks to this on failures).")
+    max: int = Field(..., ge=1, description="Most workers to use when the cluster has room.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ElasticWorkers":
+        if self.min > self.max:
+            raise ValueError(f"cluster.workers.min={self.min} is larger than cluster.workers.max={self.max}")
+        return self
+
+
 class ClusterConfig(Section):
-    workers: int = Field(2, ge=1, description="Training worker actors (one per rank).")
+    workers: int | ElasticWorkers = Field(
+        2, description="Training worker actors (one per rank): an integer for a fixed size, or {min: M, max: N} "
+                       "to scale elastically between M and N.")
+    resize_interval_s: float = Field(
+        60.0, ge=0, description="Elastic runs: seconds between checks for room to grow (Ray Train's resize monitor).")
+    max_failures: int = Field(
+        3, ge=-1, description="Worker-group failures to recover from by restarting from the newest snapshot (-1: no limit).")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs each worker reserves; it also sets torch's threads.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use nccl.")
     num_cpus: int | None = Field(
         None, ge=1, description="Logical CPUs of the embedded Ray cluster (default: enough for workers, data and serving).")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_int(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
+            raise ValueError("must be a positive integer or {min: M, max: N}")
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers.min if isinstance(self.workers, ElasticWorkers) else self.workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers.max if isinstance(self.workers, ElasticWorkers) else self.workers
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
 
 
 class RunConfig(Section):
@@ -163,11 +199,14 @@ class ServeConfig(Section):
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once; the engine queues those beyond max_batch.")
     max_batch: int = Field(32, ge=1, description="Sequences decoded together by continuous batching (1 disables batching).")
     kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
-    max_prefill_tokens: int = Field(512, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
+    max_prefill_tokens: int = Field(256, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Inference precision; 'auto' is bf16 (on CPU and GPU).")
     request_timeout_s: float = Field(120.0, gt=0, description="A request still running after this long is cancelled (HTTP 408).")
     follow_interval_s: float = Field(5.0, gt=0, description="With --follow, seconds between looks for a newer checkpoint.")
+    stream_interval_ms: float = Field(
+        10.0, ge=0, description="Streamed text goes out at most this often per request (tokens in between share an "
+                                "event): each event costs the proxy more than a decode step of a small model.")
 
 
 class JobConfig(Section):
@@ -196,7 +235,10 @@ class JobConfig(Section):
             for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads), ("ffn_dim", args.ffn_dim)):
                 if value % tp:
                     raise ValueError(f"parallel.tp={tp} does not divide model.{name}={value}")
-            workers = self.cluster.workers
+            if self.cluster.elastic:
+                raise ValueError("parallel.tp > 1 needs a fixed cluster.workers (elastic sizes would split "
+                                 "tensor-parallel groups)")
+            workers = self.cluster.max_workers
             if workers % tp:
                 raise ValueError(f"parallel.tp={tp} does not divide cluster.workers={workers}")
             if workers // tp > 1 and self.parallel.strategy != "fsdp":

@@ -35,6 +35,11 @@ class ComputeCore:
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = model_from_config(cfg).to(device)
         self.n_params = count_parameters(model)
+        # Freezing comes before any wrapping and before the optimizer: frozen parameters get
+        # no gradient buckets and no optimizer state. (Local import: ckpt imports core.state.)
+        from cs3ray.ckpt.finetune import apply_freeze
+
+        self.frozen = apply_freeze(model, t.freeze)
         mesh = topology.mesh(device.type) if dist.is_initialized() else None
         self.mesh = mesh
         distributed = mesh is not None and topology.world > 1
@@ -52,6 +57,12 @@ class ComputeCore:
         elif distributed and topology.dp > 1:
             model = parallel.apply_ddp(model, device, group=mesh["dp"].get_group() if p.tp > 1 else None)
         self.model = model
+        if t.init_from:
+            from cs3ray.ckpt.finetune import load_init_weights
+
+            # Any strategy / world size: DCP reshards the pretrained weights into this layout.
+            # A resumed run overwrites them with its own checkpoint right after.
+            load_init_weights(self.model, t.init_from, cfg.storage.options)
         betas = (t.beta1, t.beta2)
         if p.strategy == "zero1" and distributed and topology.dp > 1:
             self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas, zero_group=mesh["dp"].get_group())
@@ -60,6 +71,7 @@ class ComputeCore:
         init_adamw_state(local_optimizer(self.optimizer))
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.scaler = LossScaler(cfg.precision == "fp16")
+        self.grad_accum = t.grad_accum  # the worker adapts it to keep the global batch on resizes
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
 
@@ -81,7 +93,8 @@ class ComputeCore:
 
     def step(self, next_batch: Callable[[], np.ndarray], lr: float, track_memory: bool = False) -> tuple[float, bool]:
         """One optimizer step over grad_accum micro-batches: (mean loss on this rank, step applied)."""
-        if track_memory:
+        # torch's MemTracker follows one forward per tracked step, so accumulation runs untracked.
+        if track_memory and self.grad_accum == 1:
             result, self.peak_bytes = peak_step_memory(lambda: self._step(next_batch, lr), self.model,
                                                        self.optimizer, self.device)
             return result
@@ -91,13 +104,13 @@ class ComputeCore:
         t = self.cfg.train
         set_lr(self.optimizer, lr)
         total = 0.0
-        for micro in range(t.grad_accum):
-            last = micro == t.grad_accum - 1
+        for micro in range(self.grad_accum):
+            last = micro == self.grad_accum - 1
             if last and hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(True)
             x = torch.as_tensor(next_batch(), device=self.device)
             with self._no_sync(last):
-                loss = self._forward_loss(x) / t.grad_accum
+                loss = self._forward_loss(x) / self.grad_accum
                 self.scaler.scale_loss(loss).backward()
             total += float(loss.detach())
         ok = self.scaler.unscale_and_check(self.params)

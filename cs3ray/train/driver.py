@@ -62,11 +62,12 @@ def _scaling(cfg: JobConfig):
     from ray.train import ScalingConfig
 
     c = cfg.cluster
-    return ScalingConfig(num_workers=c.workers, use_gpu=c.use_gpu,
+    workers = (c.min_workers, c.max_workers) if c.elastic else c.max_workers
+    return ScalingConfig(num_workers=workers, use_gpu=c.use_gpu, elastic_resize_monitor_interval_s=c.resize_interval_s,
                          resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})})
 
 
-def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -> dict[str, Any]:
+def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, resumed: bool = False) -> dict[str, Any]:
     """The run summary written to summary.json and printed by the CLI."""
     end = next((e for e in reversed(events) if e["event"] == "end"), {})
     progress = [e for e in events if e["event"] == "progress"]
@@ -79,7 +80,8 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -
     return {
         "run": cfg.run.name, "steps": end.get("step", 0), "initial_val_loss": end.get("initial_val_loss"),
         "final_val_loss": end.get("val_loss"), "tokens_per_s": round(tps, 1),
-        "tokens_seen": end.get("tokens_seen", 0), "workers": cfg.cluster.workers,
+        "tokens_seen": end.get("tokens_seen", 0), "workers": start.get("workers", cfg.cluster.max_workers),
+        "restarts": sum(1 for e in events if e["event"] == "restored") - (1 if resumed else 0),
         "precision": cfg.precision, "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
         "checkpoint": run.child(step_dir(steps[-1])).url if steps else None, "wall_s": round(wall_s, 1),
         "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
@@ -89,14 +91,16 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float) -
 
 
 def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address: str | None = None,
-          on_event: EventSink | None = None, quiet: bool = False) -> dict[str, Any]:
+          on_event: EventSink | None = None, quiet: bool = False,
+          stop: threading.Event | None = None) -> dict[str, Any]:
     """Run a training job end to end and return its summary (also written to summary.json).
 
-    The first SIGINT asks the workers to checkpoint and stop at the next step; a second one
-    aborts without waiting.
+    The first SIGINT (or setting `stop`, from another thread) asks the workers to checkpoint
+    and stop at the next step; a second SIGINT aborts without waiting.
     """
     import ray
-    from ray.train import RunConfig
+    from ray.train import FailureConfig, RunConfig
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from .loop import train_loop_per_worker
@@ -107,16 +111,19 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     shards, _ = prepare_data(cfg, on_event)
     run.write_text(to_yaml(cfg), "config.yaml")
     log = EventLog(run)
-    num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.workers, cfg.cluster.cpus_per_worker)
+    num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
-        monitor = RunMonitor.remote()
+        # On the driver's own node: a monitor on a worker node would die with that node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        monitor = RunMonitor.options(scheduling_strategy=here).remote()
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards.url,
-                               "resume": resume, "monitor": monitor},
+                               "monitor": monitor},
             scaling_config=_scaling(cfg),
             torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
-            run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}"),
+            run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}",
+                                 failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
             # No `datasets=`: workers read their exact slice of the global order through the
             # node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
         )
@@ -144,8 +151,12 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         events: list[dict] = []
         try:
             thread.start()
+            stop_sent = False
             while thread.is_alive():
                 thread.join(timeout=0.25)
+                if stop is not None and stop.is_set() and not stop_sent:
+                    monitor.request_stop.remote()
+                    stop_sent = True
                 events += _drain(monitor, len(events), log, on_event)
             events += _drain(monitor, len(events), log, on_event)
         finally:
@@ -155,7 +166,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         if "error" in outcome:
             raise TrainingError(_worker_error(outcome["error"])) from None
         ray.kill(monitor)
-    summary = summarize(cfg, run, events, time.time() - started)
+    summary = summarize(cfg, run, events, time.time() - started, resumed=resume)
     run.write_text(json.dumps(summary, indent=1), "summary.json")
     return summary
 

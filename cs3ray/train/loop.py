@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from cs3ray.data.shards import read_manifest, read_split
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import ByteTokenizer, train_flops_per_token
 from cs3ray.storage import open_url
+
+from .elastic import plan_batch
 
 
 @dataclass
@@ -55,7 +58,7 @@ def _all_gather(obj: Any) -> list[Any]:
 class Worker:
     """One rank: builds the compute core, restores state, and runs steps, evals and checkpoints."""
 
-    def __init__(self, cfg: JobConfig, run_url: str, shards_url: str, resume: bool, monitor: Any) -> None:
+    def __init__(self, cfg: JobConfig, run_url: str, shards_url: str, monitor: Any) -> None:
         import ray
         import ray.train
         import ray.train.torch
@@ -69,10 +72,16 @@ class Worker:
         self.device = ray.train.torch.get_device()
         self.topo = discover(cfg.parallel.tp, ray.get_runtime_context().get_node_id())
         self.core = ComputeCore(cfg, self.device, self.topo)
-        self.ckpt = CheckpointManager(run_url, cfg.storage.options, cfg.checkpoint.keep)
+        # Every rank builds it at the same point: async mode creates its own gloo group here.
+        self.ckpt = CheckpointManager.from_config(run_url, cfg)
         self.progress = Progress()
         self.stream: TrainStream | None = None
-        if resume and self.ckpt.latest() is not None:
+        # Keep the global batch whatever the number of workers (elastic resizes, retries).
+        self.plan = plan_batch(cfg, self.topo.dp)
+        self.core.grad_accum = self.plan.grad_accum
+        # The run directory only holds this run's checkpoints (the driver refuses or clears
+        # others), so one present means --resume, or Ray Train restarting a failed group.
+        if self.ckpt.latest() is not None:
             self._restore()
         torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.shards_url = shards_url
@@ -107,8 +116,9 @@ class Worker:
         self.core.scaler.load_state_dict(meta["scaler"])
         if rank_state is not None:
             set_rng_state(rank_state)
+        source = self.ckpt.last_restore.source if self.ckpt.last_restore else "storage"
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
-                    from_strategy=meta.get("strategy"))
+                    from_strategy=meta.get("strategy"), restored_from=source)
 
     def _event(self, kind: str, **data: Any) -> None:
         if self.rank == 0 and self.monitor is not None:
@@ -138,16 +148,17 @@ class Worker:
         import ray.train
 
         cfg, t, p = self.cfg, self.cfg.train, self.progress
-        tokens_per_step = self.topo.dp * t.batch_size * t.grad_accum * t.seq_len
+        tokens_per_step = self.plan.global_samples * t.seq_len
         self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
                     nodes=len(set(self.topo.node_ids)), tp=self.topo.tp, strategy=cfg.parallel.strategy,
-                    peak_flops=self.peak_flops, threads=self.threads)
+                    peak_flops=self.peak_flops, threads=self.threads, pids=_all_gather(os.getpid()),
+                    micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum)
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
             self._event("eval", step=p.step, val_loss=p.val_loss)
         # Streams are keyed by data-parallel rank: the ranks of one tensor-parallel group read
         # the same samples, and the global order only depends on the data-parallel width.
-        self.stream = TrainStream(t.batch_size, t.seed, p.data_position, shards_url=self.shards_url,
+        self.stream = TrainStream(self.plan.micro_batch, t.seed, p.data_position, shards_url=self.shards_url,
                                   storage_options=cfg.storage.options, cache=cfg.cache,
                                   rank=self.topo.dp_rank, world=self.topo.dp)
         next_batch = lambda: next(self.stream)  # noqa: E731
@@ -157,6 +168,8 @@ class Worker:
         while p.step < t.steps:
             t0 = time.perf_counter()
             lr = t.lr * lr_factor(p.step, t.warmup_steps, t.steps, t.min_lr_ratio)
+            # An async snapshot must finish copying the weights before the optimizer changes them.
+            self.ckpt.wait_staged()
             # The second step is measured for peak memory (the first one allocates optimizer state lazily).
             loss, ok = self.core.step(next_batch, lr, track_memory=p.step == first_step + 1)
             p.step += 1
@@ -164,6 +177,7 @@ class Worker:
             window_steps += 1
             stop_flag = 1.0 if self.rank == 0 and self._stop_requested() else 0.0
             loss_sum, stop = _all_reduce([loss, stop_flag], self.device)
+            preempted = p.step % t.log_every == 0 and ray.train.get_preemption_info() is not None
             step_time = time.perf_counter() - t0
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
@@ -176,7 +190,9 @@ class Worker:
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
                 self._event("eval", step=p.step, val_loss=p.val_loss)
-            if p.step % cfg.checkpoint.every == 0 or p.step == t.steps or stop:
+            if p.step % cfg.checkpoint.every == 0 or p.step == t.steps or stop or preempted:
+                if preempted:
+                    self._event("preemption", step=p.step)  # snapshot now, before the node goes away
                 self.save()
                 last_ckpt = p.step
             if stop:
@@ -184,6 +200,7 @@ class Worker:
                 break
         if last_ckpt != p.step:
             self.save()
+        self.ckpt.close()  # an async final snapshot is on storage before the workers exit
         self.stream.close()
         memory = _all_gather(self.core.memory())
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
@@ -200,5 +217,5 @@ class Worker:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: `config` carries the job, the run URL and the monitor handle."""
     cfg = build_config(config["job"])
-    worker = Worker(cfg, config["run_url"], config["shards_url"], config["resume"], config.get("monitor"))
+    worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"))
     worker.run()

@@ -1,0 +1,79 @@
+"""Run by test_elastic.py in a subprocess: elastic training across simulated node loss and return.
+
+A 3-node ray.cluster_utils.Cluster (a small head, two 2-CPU workers' nodes); each training
+worker takes 2 CPUs, so there is one per node and `{min: 1, max: 2}` workers. The script
+removes a node mid-run (the group shrinks to 1 worker), adds one back (it grows to 2), then
+stops the run and prints the observed worker counts as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from cs3ray.config import load_config
+from cs3ray.train import train
+
+
+def main(run_dir: str) -> None:
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=2)
+    doomed = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    cfg = load_config("configs/tiny.yaml", [
+        f"run.dir={run_dir}", "train.steps=100000", "train.log_every=2", "train.eval_every=100000",
+        "checkpoint.every=4", "cluster.workers={min: 1, max: 2}", "cluster.cpus_per_worker=2",
+        "cluster.resize_interval_s=3", "cluster.max_failures=5", "train.batch_size=8"])
+    starts: list[dict] = []
+    progress: list[dict] = []
+
+    def on_event(e: dict) -> None:
+        if e["event"] in ("start", "restored"):
+            starts.append({"event": e["event"], "step": e["step"], "workers": e.get("workers"),
+                           "micro_batch": e.get("micro_batch"), "grad_accum": e.get("grad_accum")})
+        elif e["event"] in ("progress", "checkpoint"):
+            progress.append({"event": e["event"], "step": e["step"], "starts": len(starts)})
+
+    def trained_with(workers: int, checkpoints: int = 1, timeout: float = 300) -> None:
+        """Wait until the current group has `workers` workers and has taken a checkpoint since it started."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            live = [i for i, s in enumerate(starts) if s["event"] == "start"]
+            if live and starts[live[-1]]["workers"] == workers:
+                done = [p for p in progress if p["starts"] > live[-1] and p["event"] == "checkpoint"]
+                if len(done) >= checkpoints:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"never trained with {workers} workers")
+
+    stop = threading.Event()
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(summary=train(cfg, on_event=on_event, quiet=True,
+                                                                          stop=stop)), daemon=True)
+    runner.start()
+    try:
+        # Ray's Cluster must be driven from the main thread; training runs in the background.
+        trained_with(2)
+        cluster.remove_node(doomed)  # a node is lost: the group restarts at min size
+        trained_with(1)
+        cluster.add_node(num_cpus=2)  # room again: the resize monitor grows the group back
+        trained_with(2)
+    finally:
+        stop.set()
+        runner.join(timeout=300)
+        ray.shutdown()
+        cluster.shutdown()
+    summary = result.get("summary")
+    print(json.dumps({"starts": starts, "summary": summary}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
