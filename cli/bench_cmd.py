@@ -33,6 +33,19 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
          ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
 
 
+@app.command("recovery")
+@user_errors
+def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """SIGKILL a worker mid-run: time back to training, cs3ray vs. a plain Ray Train loop."""
+    from cs3ray.bench import recovery
+
+    r = recovery.run(quick, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"recovery from a worker SIGKILL (snapshot every {r['interval_steps']} steps)",
+         ["run", "kill -> next step (s)", "steps lost", "restored from"],
+         [("cs3ray", r["recovery_s"], r["steps_lost"], r["restored_from"]),
+          ("plain Ray Train", r["ray_train_recovery_s"], r["ray_train_steps_lost"], "storage")], r, as_json)
+
+
 @app.command("peak")
 def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch threads."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:

@@ -118,11 +118,13 @@ class Worker:
             set_rng_state(rank_state)
         source = self.ckpt.last_restore.source if self.ckpt.last_restore else "storage"
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
-                    from_strategy=meta.get("strategy"), restored_from=source)
+                    from_strategy=meta.get("strategy"), restored_from=source,
+                    data_samples=(meta.get("data") or {}).get("samples"))
 
     def _event(self, kind: str, **data: Any) -> None:
         if self.rank == 0 and self.monitor is not None:
-            self.monitor.record.remote({"event": kind, **data})
+            # `wall`: when it happened on the worker (the log's `time` is when the driver saw it).
+            self.monitor.record.remote({"event": kind, "wall": time.time(), **data})
 
     def evaluate(self) -> float:
         total, count = self.core.evaluate(self.val)
