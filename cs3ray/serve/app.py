@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from cs3ray.ckpt import load_for_inference
@@ -33,12 +34,21 @@ from .sequence import Event, GenRequest
 from .spec import ServeSpec
 
 log = logging.getLogger(__name__)
+# Far above any prompt that fits a context window; bounds what a client can make a replica buffer.
+MAX_BODY_BYTES = 4 << 20
 api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None)
 
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods answer in the API's error shape too.
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
+                                 else None).body(), exc.status_code)
 
 
 @api.exception_handler(Exception)
@@ -49,8 +59,14 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def read_json(request: Request) -> Any:
+    """The request's JSON body, read up to MAX_BODY_BYTES (a larger body is a 413, never buffered)."""
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
     try:
-        return json.loads(await request.body())
+        return json.loads(bytes(body))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 

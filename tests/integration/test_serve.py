@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from cluster_harness import free_port
+from cluster_harness import free_port, start_head
 from serve_checkpoints import make_checkpoint
 
 from cs3ray.serve.deploy import deploy, make_spec, shutdown
@@ -149,6 +149,7 @@ BAD = [
     ("unknown model", json.dumps({"model": "gpt-9", "prompt": "a"}), 400),
     ("chat without messages", json.dumps({"model": "tiny-test", "messages": []}), 400),
     ("chat bad role", json.dumps({"model": "tiny-test", "messages": [{"role": "robot", "content": "x"}]}), 400),
+    ("body too large", json.dumps({"model": "tiny-test", "prompt": "x" * (5 << 20)}), 413),
 ]
 
 
@@ -164,8 +165,9 @@ def test_bad_requests_are_4xx_and_server_stays_healthy(app, case, body, status):
 def test_openai_client_sees_bad_request_and_unknown_route(app):
     with pytest.raises(openai.BadRequestError, match="context"):
         client(app).completions.create(model="tiny-test", prompt="a" * 300, max_tokens=4)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as info:
         client(app).embeddings.create(model="tiny-test", input="a")
+    assert info.value.body["code"] == "not_found"
 
 
 def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
@@ -228,36 +230,46 @@ def test_cli_serve_missing_run_is_one_line(tmp_path):
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
-    run = tmp_path / "run"
+def test_jobs_serve_with_ray_job_submit_and_stop(tmp_path):
+    # A head of its own: `ray start` binds the job agent to port 52365 unless told otherwise, so
+    # the session head has no job agent while another head runs on this machine.
+    head = start_head(num_cpus=4, extra=[f"--dashboard-agent-listen-port={free_port()}"])
+    run, port = tmp_path / "run", free_port()
     make_checkpoint(run, step=4)
-    submit = subprocess.run(["ray", "job", "submit", "--address", ray_head.dashboard_url, "--no-wait",
-                             "--working-dir", ".", "--", "python", "jobs/serve.py", str(run), "--port", str(http_port),
-                             "--name", "job-test"], env=ray_head.env(), cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
-    assert submit.returncode == 0, submit.stderr
-    job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
-    base = f"http://127.0.0.1:{http_port}"
+    cmd = ["ray", "job", "submit", "--address", head.dashboard_url, "--no-wait", "--working-dir", ".",
+           "--runtime-env-json", json.dumps({"excludes": ["runs/", ".cs3/", ".git/", "*.egg-info/"]}), "--",
+           "python", "jobs/serve.py", str(run), "--port", str(port), "--name", "job-test"]
     try:
-        deadline, out = time.time() + 120, None
+        for _ in range(20):  # the job agent can take a few seconds to come up on a busy machine
+            submit = subprocess.run(cmd, env=head.env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+            if "No available agent" not in submit.stderr:
+                break
+            time.sleep(2)
+        assert submit.returncode == 0, submit.stderr[-2000:]
+        job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline, out = time.time() + 120, None
+            while time.time() < deadline:
+                try:
+                    out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
+                    break
+                except (openai.APIError, OSError):
+                    time.sleep(1)
+            assert out is not None and out.system_fingerprint == "step-4"
+        finally:
+            subprocess.run(["ray", "job", "stop", "--address", head.dashboard_url, job], env=head.env(),
+                           capture_output=True, timeout=120)
+        # `ray job stop` sends SIGTERM: the job deletes its app on the way out (the proxy stays).
+        deadline = time.time() + 30
         while time.time() < deadline:
             try:
-                out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
+                healthy(base)
+                time.sleep(0.5)
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 404
                 break
-            except (openai.APIError, OSError):
-                time.sleep(1)
-        assert out is not None and out.system_fingerprint == "step-4"
+        else:
+            raise AssertionError("the app outlived its job")
     finally:
-        subprocess.run(["ray", "job", "stop", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
-                       capture_output=True, timeout=120)
-    # `ray job stop` sends SIGTERM: the job deletes its app on the way out.
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            healthy(base)
-            time.sleep(0.5)
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 404
-            break
-    else:
-        raise AssertionError("the app outlived its job")
+        head.stop()
