@@ -1,0 +1,5 @@
+"""Serving: an OpenAI-compatible Ray Serve app over a continuous-batching engine.
+
+kv (slot KV cache) -> forward (ragged batch forward) -> engine (scheduler + sampling)
+-> app (FastAPI ingress, auth, streaming) -> deploy (spec, resources, autoscaling, lifecycle).
+"""

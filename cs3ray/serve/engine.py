@@ -37,6 +37,8 @@ class Metrics(Protocol):
 
 
 class NoMetrics:
+    """Metrics that go nowhere (tests, benchmarks' peers)."""
+
     def ttft(self, seconds: float) -> None: pass
     def itl(self, seconds: float) -> None: pass
     def queue(self, waiting: int, running: int) -> None: pass
@@ -134,7 +136,12 @@ class Engine:
             if self._next_model is not None:
                 self.model, self._next_model = self._next_model, None
             cancelled, self._cancelled = self._cancelled, set()
-            admitted = self._admit(cancelled)
+            dropped = [r for r in self.waiting if id(r) in cancelled]
+            if dropped:  # anywhere in the queue, so a client that gave up costs no compute later
+                self.waiting = collections.deque(r for r in self.waiting if id(r) not in cancelled)
+            admitted = self._admit()
+        for req in dropped:
+            req.emit(Event("", "cancelled", len(req.prompt_ids)))
         for seq in [s for s in self.running if id(s.req) in cancelled]:
             self._finish(seq, "cancelled")
         for seq in admitted:
@@ -147,14 +154,10 @@ class Engine:
         self.busy_s += time.perf_counter() - t0
         self.cpu_s += time.thread_time() - c0
 
-    def _admit(self, cancelled: set[int]) -> list[Sequence]:
+    def _admit(self) -> list[Sequence]:
         admitted, prefill = [], 0
         while self.waiting:
             req = self.waiting[0]
-            if id(req) in cancelled:
-                self.waiting.popleft()
-                req.emit(Event("", "cancelled", len(req.prompt_ids)))
-                continue
             if not self.cache.free_slots or (admitted and prefill + len(req.prompt_ids) > self.options.max_prefill_tokens):
                 break
             self.waiting.popleft()

@@ -148,6 +148,18 @@ def test_cancel_frees_the_slot_and_queue_limit():
     engine.step()
     assert events[-1].finish_reason == "cancelled"
     assert all(s.req is not long for s in engine.running)
+    # A request cancelled while still queued behind others never runs.
+    blocker = [GenRequest(p, SamplingParams(temperature=0.0, max_tokens=50), ignore_eos=True, emit=lambda e: None)
+               for p in prompts(2)]
+    engine = Engine(m, EOS, EngineOptions(max_batch=1))
+    queued: list[Event] = []
+    late = GenRequest(prompts(1)[0], GREEDY, emit=queued.append)
+    for r in [*blocker, late]:
+        engine.submit(r)
+    engine.step()
+    engine.cancel(late)
+    engine.step()
+    assert late not in engine.waiting and queued[-1].finish_reason == "cancelled"
 
 
 def test_swap_model_keeps_running_sequences():
