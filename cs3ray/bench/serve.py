@@ -53,7 +53,7 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
     return CONCURRENCIES, {1: 3, 4: 8, 16: 16, 64: 32}, (16, 128)
 
 
-def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int,
+def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int | None,
                   stream_interval_ms: float | None = None) -> dict[str, str]:
     from cs3ray.serve.deploy import build_app, make_spec
 
@@ -96,7 +96,7 @@ def _clean(cell: dict) -> dict:
                 round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
 
 
-def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_batch: int,
+def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_batch: int | None,
                 log: Callable[[str], None]) -> dict:
     """All modes x concurrencies for one model; the result's shape is the JSON's."""
     from ray import serve
@@ -147,9 +147,13 @@ def local_ray(num_cpus: int) -> Iterator[None]:
         ray.shutdown()
 
 
-def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max_batch: int = 64,
+def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max_batch: int | None = None,
         log: Callable[[str], None] = print) -> dict:
-    """The whole benchmark on an embedded Ray cluster; tiny at the top level, small under models.small."""
+    """The whole benchmark on an embedded Ray cluster; tiny at the top level, small under models.small.
+
+    max_batch None keeps the serve config's default (serve.max_batch): under overload a bigger
+    running batch buys little throughput and stretches every inter-token gap.
+    """
     import os
     import socket
 
