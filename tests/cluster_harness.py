@@ -47,10 +47,13 @@ class HeadNode:
 def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | None = None,
                timeout: float = 90) -> HeadNode:
     """A head node on 127.0.0.1 with free ports; returns once it accepts connections."""
-    port, dash = free_port(), free_port()
+    port, dash, agent = free_port(), free_port(), free_port()
+    # Every port chosen free: the defaults (6379, 8265, the job agent's 52365) would collide
+    # with any other Ray node on the machine, and `ray job submit` would find no agent.
     cmd = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
            f"--num-cpus={num_cpus}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", "--disable-usage-stats", *(extra or [])]
+           f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats",
+           *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0"))
     node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}")
