@@ -24,6 +24,7 @@ from cs3ray.core.state import rng_state, set_rng_state
 from cs3ray.data.shards import read_manifest, read_split
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import ByteTokenizer, train_flops_per_token
+from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
 from .elastic import plan_batch
@@ -66,6 +67,8 @@ class Worker:
         self.cfg, self.monitor = cfg, monitor
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        # Live Prometheus gauges (Ray's metrics agent) beside the run's JSONL event log.
+        self.gauges = TrainGauges(cfg.run.name) if self.rank == 0 else None
         self.threads = max(1, int(cfg.cluster.cpus_per_worker))
         # Ray sets OMP_NUM_THREADS=1 in workers; use exactly the CPUs this worker reserved.
         torch.set_num_threads(self.threads)
@@ -122,6 +125,8 @@ class Worker:
                     data_samples=(meta.get("data") or {}).get("samples"))
 
     def _event(self, kind: str, **data: Any) -> None:
+        if self.rank == 0 and self.gauges is not None and kind in ("progress", "eval"):
+            self.gauges.update(data)
         if self.rank == 0 and self.monitor is not None:
             # `wall`: when it happened on the worker (the log's `time` is when the driver saw it).
             self.monitor.record.remote({"event": kind, "wall": time.time(), **data})
