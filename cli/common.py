@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Callable, Optional, TypeVar
 
 import typer
@@ -46,7 +45,3 @@ def user_errors(fn: F) -> F:
 
 def overrides_list(values: Optional[list[str]]) -> list[str]:
     return list(values or [])
-
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()

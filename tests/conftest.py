@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # module imports ray, also on a fresh machine where the token file does not exist yet.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-from cluster_harness import HeadNode, free_port, start_head  # noqa: E402
+from cluster_harness import HeadNode, start_head  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,6 @@ def run_distributed(jobs: list[tuple[str, list[str]]], batches, world: int = 2) 
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, free_port(), jobs, batches, out)) for r in range(world)]
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, jobs, batches, out)) for r in range(world)]
     for p in procs:

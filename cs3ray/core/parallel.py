@@ -91,13 +91,3 @@ def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_
     # buffers (RoPE tables) are constants, so broadcasting them before every forward is waste.
     return DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_cap_mb,
                gradient_as_bucket_view=True, broadcast_buffers=False)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside any wrapper."""
-    return model.module if isinstance(model, DDP) else model
-
-
-def uses_autocast(strategy: str) -> bool:
-    """FSDP2 casts parameters itself (MixedPrecisionPolicy); the others use torch.autocast."""
-    return strategy != "fsdp"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 from torch import nn
 
 from cs3ray.errors import UserError
@@ -31,8 +30,3 @@ def model_from_config(cfg) -> nn.Module:
 def count_parameters(model: nn.Module) -> int:
     """Unique parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def unique_tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of distinct tensors, as they are held in memory."""
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
