@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +20,22 @@ def _enable_token_auth() -> None:
     # the same machine can use it without the user exporting anything.
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """Fail fast on an address nothing listens at: Ray itself retries its GCS for minutes."""
+    if address in ("auto", "local"):
+        return
+    target = address.split("://", 1)[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"Ray address '{address}' must look like host:port or ray://host:port.")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClusterError(f"cannot reach the Ray cluster at '{address}' ({exc.strerror or exc}). "
+                           "Check --address / RAY_ADDRESS, or start one with `ray start --head`.") from None
 
 
 def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
@@ -47,6 +64,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
         else:
+            _probe(address)
             _enable_token_auth()
             ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:

@@ -108,11 +108,13 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
 
     started = time.time()
     run = prepare_run_dir(cfg, resume, overwrite)
-    shards, _ = prepare_data(cfg, on_event)
-    run.write_text(to_yaml(cfg), "config.yaml")
-    log = EventLog(run)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
+    # Connect first: an unreachable cluster fails in seconds and leaves the run directory
+    # empty (not "taken"), before any data is prepared or config written.
     with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
+        shards, _ = prepare_data(cfg, on_event)
+        run.write_text(to_yaml(cfg), "config.yaml")
+        log = EventLog(run)
         # On the driver's own node: a monitor on a worker node would die with that node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         monitor = RunMonitor.options(scheduling_strategy=here).remote()

@@ -79,3 +79,12 @@ def test_cli_exits_2_with_one_line_and_no_traceback():
     shown = runner.invoke(app, ["config", "show", "configs/tiny.yaml", "train.steps=7"])
     assert shown.exit_code == 0 and "steps: 7" in shown.output
     assert runner.invoke(app, ["config", "explain"]).exit_code == 0
+
+
+def test_unreachable_cluster_is_one_line_and_leaves_no_run(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "--address", "127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in result.output and "Traceback" not in result.output
+    # Nothing was written, so the same command works once the cluster is up.
+    assert not (tmp_path / "r" / "config.yaml").exists()
