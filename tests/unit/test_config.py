@@ -82,9 +82,12 @@ def test_cli_exits_2_with_one_line_and_no_traceback():
 
 
 def test_unreachable_cluster_is_one_line_and_leaves_no_run(tmp_path):
-    runner = CliRunner()
-    result = runner.invoke(app, ["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "--address", "127.0.0.1:1"])
-    assert result.exit_code == 2, result.output
-    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in result.output and "Traceback" not in result.output
+    # A subprocess, as a user runs it: this test process may already be connected to a cluster.
+    from conftest import run_cs3
+
+    result = run_cs3(["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "--address", "127.0.0.1:1"],
+                     timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in result.stderr and "Traceback" not in result.stderr
     # Nothing was written, so the same command works once the cluster is up.
     assert not (tmp_path / "r" / "config.yaml").exists()
