@@ -1,24 +1,114 @@
 """One way to reach any storage URL (local path, file://, s3://, gs://, memory://) with fsspec.
 
 Run directories, checkpoints and data shards all go through here so the same storage options
-(endpoints, credentials) apply everywhere and errors name the URL.
+(endpoints, credentials) apply everywhere and errors name the URL. Every operation is retried
+with jittered exponential backoff on transient errors (a dropped connection, a 503, a request
+that hangs) until a deadline, and never on permanent ones (a missing file, no permission, a full
+disk), which fail at once; either way the caller gets one StorageError naming the URL.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import posixpath
+import random
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fsspec.core import url_to_fs
 
 from cs3ray.errors import UserError
 
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+RETRY_DEADLINE_S = 60.0
+# Retrying cannot fix these: the thing is absent, forbidden, or the request itself is wrong.
+PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+                   UserError, ValueError, TypeError, KeyError, AttributeError, NotImplementedError)
+PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                              errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG})
+PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ParamValidationError"})  # botocore
+
 
 class StorageError(UserError):
     """Storage could not be reached or a file is missing; the message names the URL."""
+
+
+class DeadlineExceeded(Exception):
+    """Every attempt failed (or hung) until the deadline; carries the last error and attempt count."""
+
+    def __init__(self, last: BaseException | None, attempts: int, seconds: float) -> None:
+        super().__init__(str(last) if last else "timed out")
+        self.last, self.attempts, self.seconds = last, attempts, seconds
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True for errors that another attempt cannot fix (missing, forbidden, disk full, bad request)."""
+    return (isinstance(exc, PERMANENT_TYPES) or getattr(exc, "errno", None) in PERMANENT_ERRNOS
+            or type(exc).__name__ in PERMANENT_NAMES)
+
+
+def _bounded(fn: Callable[[], T], timeout: float) -> T:
+    # A hung request must not outlive the deadline: run it in a daemon thread and stop waiting.
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True, name="cs3-io")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout:.1f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def retry(fn: Callable[[], T], deadline_s: float,
+          permanent: tuple[type[BaseException], ...] | Callable[[BaseException], bool] = is_permanent,
+          on_retry: Callable[[BaseException], None] | None = None,
+          base_s: float = 0.1, max_sleep_s: float = 2.0) -> T:
+    """`fn()`, retried with jittered exponential backoff until `deadline_s` has passed.
+
+    Each attempt is bounded by what is left of the deadline. Errors that `permanent` matches
+    (exception types, or a predicate) are raised at once; the last transient one rides on
+    DeadlineExceeded.
+    """
+    perm = permanent if callable(permanent) else (lambda exc: isinstance(exc, permanent))
+    start = time.monotonic()
+    attempt, last = 0, None
+    while True:
+        left = deadline_s - (time.monotonic() - start)
+        if left <= 0:
+            raise DeadlineExceeded(last, attempt, time.monotonic() - start)
+        attempt += 1
+        try:
+            return _bounded(fn, left)
+        except Exception as exc:  # noqa: BLE001 - storage clients raise many types; transient ones are retried
+            if perm(exc):
+                raise
+            last = exc
+            if on_retry:
+                on_retry(exc)
+        sleep = min(max_sleep_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+        time.sleep(max(0.0, min(sleep, deadline_s - (time.monotonic() - start))))
+
+
+def short_error(exc: BaseException | None) -> str:
+    """The first line of an error's message (or its type), at most 200 characters."""
+    if exc is None:
+        return "timed out"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]
 
 
 def is_remote(url: str) -> bool:
@@ -52,6 +142,7 @@ class Storage:
 
     url: str
     options: dict[str, Any] = field(default_factory=dict)
+    retry_deadline_s: float = RETRY_DEADLINE_S
 
     def __post_init__(self) -> None:
         if "://" not in self.url:
@@ -62,17 +153,17 @@ class Storage:
             raise StorageError(f"cannot open storage '{self.url}': {exc}") from None
 
     def child(self, *parts: str) -> "Storage":
-        return Storage(join(self.url, *parts), self.options)
+        return Storage(join(self.url, *parts), self.options, self.retry_deadline_s)
 
     def path(self, *parts: str) -> str:
         """Filesystem path (protocol stripped) of a file below the root."""
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def exists(self, *parts: str) -> bool:
-        return self._guard(lambda: self.fs.exists(self.path(*parts)), parts)
+        return self.call(lambda: self.fs.exists(self.path(*parts)), *parts, action="check")
 
     def read_bytes(self, *parts: str) -> bytes:
-        return self._guard(lambda: self.fs.cat_file(self.path(*parts)), parts)
+        return self.call(lambda: self.fs.cat_file(self.path(*parts)), *parts, action="read")
 
     def read_text(self, *parts: str) -> str:
         return self.read_bytes(*parts).decode()
@@ -98,7 +189,7 @@ class Storage:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
 
-        self._guard(write, parts)
+        self.call(write, *parts, action="write")
 
     def write_text(self, text: str, *parts: str) -> None:
         self.write_bytes(text.encode(), *parts)
@@ -110,31 +201,42 @@ class Storage:
             if not self.fs.exists(p):
                 return []
             return sorted(posixpath.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
-        return self._guard(listing, parts)
+        return self.call(listing, *parts, action="list")
 
     def rm(self, *parts: str) -> None:
-        self._guard(lambda: self.fs.rm(self.path(*parts), recursive=True), parts)
+        self.call(lambda: self.fs.rm(self.path(*parts), recursive=True), *parts, action="delete")
 
     def makedirs(self, *parts: str) -> None:
-        self._guard(lambda: self.fs.makedirs(self.path(*parts), exist_ok=True), parts)
+        self.call(lambda: self.fs.makedirs(self.path(*parts), exist_ok=True), *parts, action="create")
 
     def open(self, *parts: str, mode: str = "rb"):
-        return self._guard(lambda: self.fs.open(self.path(*parts), mode), parts)
+        return self.call(lambda: self.fs.open(self.path(*parts), mode), *parts, action="open")
 
-    def _guard(self, fn, parts):
+    def call(self, fn: Callable[[], T], *parts: str, action: str = "access") -> T:
+        """`fn()` on the file at `parts`, retried on transient errors; failures become one StorageError."""
+        where = join(self.url, *parts)
+
+        def note(exc: BaseException) -> None:
+            log.warning("retrying %s of '%s' after: %s", action, where, short_error(exc))
+
         try:
-            return fn()
+            return retry(fn, self.retry_deadline_s, on_retry=note)
         except FileNotFoundError:
-            raise StorageError(f"'{join(self.url, *parts)}' does not exist.") from None
+            raise StorageError(f"'{where}' does not exist.") from None
         except PermissionError as exc:
-            raise StorageError(f"no permission for '{join(self.url, *parts)}': {exc}.") from None
+            raise StorageError(f"no permission for '{where}': {short_error(exc)}.") from None
+        except DeadlineExceeded as exc:
+            raise StorageError(f"could not {action} '{where}' within {self.retry_deadline_s:g}s ({exc.attempts} "
+                               f"attempts; last error: {short_error(exc.last)}); check that the storage is "
+                               "reachable.") from None
         except OSError as exc:
-            raise StorageError(f"storage error at '{join(self.url, *parts)}': {exc}.") from None
+            raise StorageError(f"storage error at '{where}': {short_error(exc)}.") from None
 
 
-def open_url(url: str, options: dict[str, Any] | None = None) -> Storage:
+def open_url(url: str, options: dict[str, Any] | None = None, retry_deadline_s: float = RETRY_DEADLINE_S) -> Storage:
     """A Storage rooted at `url` with fsspec `options`."""
-    return Storage(url, dict(options or {}))
+    return Storage(url, dict(options or {}), retry_deadline_s)
 
 
-__all__ = ["Storage", "StorageError", "is_remote", "join", "open_url"]
+__all__ = ["DeadlineExceeded", "RETRY_DEADLINE_S", "Storage", "StorageError", "is_permanent", "is_remote", "join", "open_url", "retry",
+           "short_error"]

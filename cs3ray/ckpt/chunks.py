@@ -77,12 +77,9 @@ class ChunkStore:
         fs, root = self.root.fs, self.root.path()
         if not self.root.exists():
             return {}
-        out = {}
-        for path, info in fs.find(root, detail=True).items():
-            name = posixpath.basename(path)
-            if len(name) == 64 and ".tmp-" not in name:
-                out[name] = int(info.get("size") or 0)
-        return out
+        found = self.root.call(lambda: fs.find(root, detail=True), action="list")
+        return {posixpath.basename(path): int(info.get("size") or 0) for path, info in found.items()
+                if len(posixpath.basename(path)) == 64 and ".tmp-" not in path}
 
     def delete(self, h: str) -> None:
         self.root.rm(*self.name(h))

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_map
 
-from cs3ray.storage import Storage, StorageError, is_remote, open_url
+from cs3ray.errors import UserError
+from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, open_url
 
 from .chunks import ChunkStore, ChunkWriter
 from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
@@ -117,11 +118,13 @@ class CheckpointManager:
 
     def __init__(self, run_url: str, storage_options: dict | None = None, keep: int = 3, *,
                  async_mode: str = "disabled", replicas: list[str] | None = None, memory_tier: bool = False,
-                 incremental: bool = True) -> None:
-        self.run = open_url(run_url, storage_options)
+                 incremental: bool = True, retry_deadline_s: float = RETRY_DEADLINE_S) -> None:
+        # Every storage call (chunk uploads, reads, listings) retries transient errors up to retry_deadline_s.
+        self.run = open_url(run_url, storage_options, retry_deadline_s)
         self.keep, self.async_mode, self.incremental = keep, async_mode, incremental
         self.primary = StorageLocation(self.run, "storage")
-        self.replicas = [StorageLocation(open_url(u, storage_options), "replica") for u in replicas or []]
+        self.replicas = [StorageLocation(open_url(u, storage_options, retry_deadline_s), "replica")
+                         for u in replicas or []]
         self.memory = None
         if memory_tier:
             import ray
@@ -198,7 +201,8 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=writer, process_group=group)
             except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
                 cause = next(iter(exc.failures.values()), exc)
-                raise CheckpointError(f"checkpoint of step {step} to '{folder.url}' failed: {cause!r}") from None
+                why = str(cause) if isinstance(cause, UserError) else repr(cause)
+                raise CheckpointError(f"checkpoint of step {step} to '{folder.url}' failed: {why}") from None
             rank_name = f"rank-{rank:05d}.pt"
             folder.write_bytes(rank_file, rank_name)
             small = {}

@@ -23,14 +23,17 @@ class CheckpointError(UserError):
 
 
 def sha256_of(storage: Storage, name: str) -> tuple[int, str]:
-    """(size, sha256) of one file, streamed so large shards never sit in memory twice."""
-    h = hashlib.sha256()
-    size = 0
-    with storage.open(name) as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+    """(size, sha256) of one file, streamed so large shards never sit in memory twice (retried whole)."""
+    def stream() -> tuple[int, str]:
+        h = hashlib.sha256()
+        size = 0
+        with storage.fs.open(storage.path(name), "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+                size += len(chunk)
+        return size, h.hexdigest()
+
+    return storage.call(stream, name, action="read")
 
 
 def write_manifest(folder: Storage, step: int, world_size: int, extra: dict[str, Any]) -> dict:

@@ -1,4 +1,5 @@
-"""Fault injection on a real Ray cluster: a worker SIGKILLed mid-run is replaced and the run completes."""
+"""Fault injection: a worker SIGKILLed mid-run is replaced and the run completes (real Ray cluster);
+an S3 outage mid-checkpoint is retried (moto server behind the loopback proxy playing dead)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
+import uuid
+
+import pytest
 
 from conftest import ROOT
 
@@ -35,3 +40,60 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     restored = [e for e in _events(log) if e["event"] == "restored"]
     assert len(restored) == 1 and 10 <= restored[0]["step"] <= killed_at + 2
     assert (run_dir / "step-00000040" / "manifest.json").exists()
+
+
+def _outage(proxy, after_requests: int, seconds: float) -> threading.Thread:
+    """From the `after_requests`-th request on, the proxy answers 503 for `seconds`, then recovers."""
+    def run() -> None:
+        start = proxy.requests
+        deadline = time.time() + 60
+        while proxy.requests < start + after_requests and time.time() < deadline:
+            time.sleep(0.001)
+        proxy.down = True
+        time.sleep(seconds)
+        proxy.down = False
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):
+    import torch
+
+    from cs3ray.bench.loopback_s3 import LatencyProxy
+    from cs3ray.ckpt import CheckpointError, CheckpointManager
+
+    endpoint, options = s3_server
+    proxy = LatencyProxy(endpoint, latency_s=0.0)
+    # botocore's own retries off, so the outage reaches cs3ray's retry (it would otherwise hide short ones).
+    opts = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": proxy.url},
+            "config_kwargs": {"retries": {"max_attempts": 1}}}
+    url = f"s3://cs3/outage-{uuid.uuid4().hex[:8]}"
+    torch.manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(128, 64) for i in range(12)}}
+    try:
+        mgr = CheckpointManager(url, opts)
+        outage = _outage(proxy, after_requests=6, seconds=1.5)  # part-way through the chunk uploads
+        mgr.save(1, state, {"step": 1}, {"torch": torch.get_rng_state()}, {"config.yaml": "a: 1\n"})
+        outage.join()
+        retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retrying")]
+        assert any("/chunks/" in m for m in retried), retried
+
+        caplog.clear()
+        outage = _outage(proxy, after_requests=4, seconds=1.5)
+        fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        step, _, _ = CheckpointManager(url, opts).load(fresh)
+        outage.join()
+        assert step == 1 and all(torch.equal(fresh["model"][k], v) for k, v in state["model"].items())
+        assert any(r.getMessage().startswith("retrying") for r in caplog.records)
+
+        proxy.down = True  # an outage that outlasts the deadline: one clear error, no traceback
+        t0 = time.time()
+        with pytest.raises(CheckpointError) as info:
+            CheckpointManager(url, opts, retry_deadline_s=1.5).load(fresh)
+        assert time.time() - t0 < 10
+        assert "within 1.5s" in str(info.value) and "check that the storage is reachable" in str(info.value)
+    finally:
+        proxy.down = False
+        proxy.stop()

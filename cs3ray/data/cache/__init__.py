@@ -1,8 +1,8 @@
 """The node-local tiered shard cache: L1 memory -> L2 local disk -> L3 any fsspec URL.
 
 Modules: `policy` (eviction), `memory` (L1), `disk` (L2, shared by a node's processes),
-`remote` (L3 with retries), `tiered` (the read-through cache and prefetch), `stats`
-(counters, files and Ray metrics), `locking`, `retry`, and `datasource` (Ray Data reads
+`remote` (L3 with retries: `cs3ray.storage.retry`), `tiered` (the read-through cache and
+prefetch), `stats` (counters, files and Ray metrics), `locking`, and `datasource` (Ray Data reads
 through the cache; imported on its own because it needs Ray).
 """
 

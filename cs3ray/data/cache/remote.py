@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cs3ray.storage import Storage
+from cs3ray.storage import DeadlineExceeded, Storage, retry, short_error
 
 from .errors import CacheError
-from .retry import DeadlineExceeded, retry
 
 
 class RemoteTier:
@@ -31,12 +30,6 @@ class RemoteTier:
             raise CacheError(f"no permission to read shard '{self.url(name)}': {exc}.") from None
         except DeadlineExceeded as exc:
             raise CacheError(f"could not read shard '{self.url(name)}' within {self.deadline_s:g}s "
-                             f"({exc.attempts} attempts; last error: {_short(exc.last)}); check that the storage "
+                             f"({exc.attempts} attempts; last error: {short_error(exc.last)}); check that the storage "
                              "is reachable, or raise cache.retry_deadline_s.") from None
 
-
-def _short(exc: BaseException | None) -> str:
-    if exc is None:
-        return "timed out"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:200]

@@ -1,0 +1,142 @@
+"""Storage retries: transient errors retried with backoff up to a deadline, permanent ones never.
+
+The failures come from a real fsspec filesystem (fsspec's in-memory one, registered under
+`flaky://`) that raises the errors a remote store raises, on the calls the test chooses.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from cs3ray.ckpt import CheckpointError, CheckpointManager
+from cs3ray.ckpt.chunks import ChunkStore
+from cs3ray.storage import StorageError, open_url
+
+
+class FlakyFS(MemoryFileSystem):
+    """memory:// that fails the next `plan` calls (each an exception, or a number of seconds to hang)."""
+
+    protocol = "flaky"
+    plan: list = []
+    calls: list[tuple[str, str]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return MemoryFileSystem._strip_protocol(str(path).replace("flaky://", "memory://", 1))
+
+    def _io(self, op, path):
+        type(self).calls.append((op, path))
+        if self.plan:
+            fault = self.plan.pop(0)
+            if isinstance(fault, (int, float)):
+                time.sleep(fault)  # a request that hangs
+            elif fault is not None:
+                raise fault
+
+    def cat_file(self, path, *args, **kwargs):
+        self._io("read", path)
+        return super().cat_file(path, *args, **kwargs)
+
+    def pipe_file(self, path, *args, **kwargs):
+        self._io("write", path)
+        return super().pipe_file(path, *args, **kwargs)
+
+    def ls(self, path, *args, **kwargs):
+        self._io("ls", path)
+        return super().ls(path, *args, **kwargs)
+
+
+fsspec.register_implementation("flaky", FlakyFS, clobber=True)
+
+
+@pytest.fixture
+def flaky(request):
+    FlakyFS.plan, FlakyFS.calls = [], []
+    yield f"flaky://{request.node.name}"
+    FlakyFS.plan = []
+    mem = MemoryFileSystem()
+    if mem.exists(f"/{request.node.name}"):
+        mem.rm(f"/{request.node.name}", recursive=True)
+
+
+def test_transient_errors_are_retried_until_the_call_succeeds(flaky, caplog):
+    st = open_url(flaky)
+    FlakyFS.plan = [ConnectionResetError(errno.ECONNRESET, "connection reset by peer"),
+                    OSError(errno.EBUSY, "Service Unavailable (503)")]
+    st.write_bytes(b"payload", "a.bin")
+    FlakyFS.plan = [TimeoutError("read timed out"), 0.0]
+    assert st.read_bytes("a.bin") == b"payload"
+    assert [op for op, _ in FlakyFS.calls] == ["write"] * 3 + ["read"] * 2
+    assert sum("retrying" in r.getMessage() for r in caplog.records) == 3
+
+
+@pytest.mark.parametrize("fault, words", [
+    (FileNotFoundError(errno.ENOENT, "no such key"), "does not exist"),
+    (PermissionError(errno.EACCES, "access denied"), "no permission"),
+    (OSError(errno.ENOSPC, "no space left on device"), "no space left"),
+])
+def test_permanent_errors_fail_at_once(flaky, fault, words):
+    st = open_url(flaky)
+    FlakyFS.plan = [fault, None, None]
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=words):
+        st.read_bytes("a.bin")
+    assert len(FlakyFS.calls) == 1 and time.monotonic() - t0 < 0.5
+
+
+def test_giving_up_is_one_clear_sentence_and_a_hung_call_cannot_outlive_the_deadline(flaky):
+    st = open_url(flaky, retry_deadline_s=0.6)
+    st.write_bytes(b"x", "a.bin")
+    FlakyFS.plan = [ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")] * 100
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        st.read_bytes("a.bin")
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 1.5 and len(FlakyFS.calls) >= 3
+    assert msg.startswith(f"could not read '{flaky}/a.bin' within 0.6s (") and "connection refused" in msg
+    assert msg.count(". ") == 0 and msg.endswith("reachable.")
+    FlakyFS.plan, FlakyFS.calls = [30.0], []
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="no answer within"):
+        st.read_bytes("a.bin")
+    assert time.monotonic() - t0 < 1.5
+
+
+def _state(seed):
+    torch.manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 32), "b": torch.randn(32)}}
+
+
+def test_checkpoint_save_and_restore_ride_out_transient_storage_errors(flaky, caplog):
+    mgr = CheckpointManager(flaky, keep=2)
+    # Every third storage call fails once: chunk uploads, small files, listings and reads all retry.
+    FlakyFS.plan = [None, None, ConnectionResetError(errno.ECONNRESET, "reset")] * 60
+    state = _state(1)
+    mgr.save(1, state, {"step": 1}, {"torch": torch.get_rng_state()}, {"config.yaml": "a: 1\n"})
+    fresh = _state(2)
+    step, meta, _ = CheckpointManager(flaky).load(fresh)
+    assert (step, meta["step"]) == (1, 1)
+    assert all(torch.equal(fresh["model"][k], state["model"][k]) for k in state["model"])
+    retried = {r.getMessage().split()[1] for r in caplog.records if "retrying" in r.getMessage()}
+    assert {"write", "read", "list"} <= retried  # failures really hit the save and the restore
+
+
+def test_a_bad_checksum_is_not_retried(flaky):
+    mgr = CheckpointManager(flaky, keep=2)
+    mgr.save(1, _state(1), {"step": 1}, {"torch": torch.get_rng_state()}, {})
+    store = ChunkStore(open_url(flaky))
+    h = next(iter(store.sizes()))
+    path = store.root.path(*store.name(h))
+    blob = bytearray(MemoryFileSystem().cat_file(path))
+    blob[0] ^= 1
+    MemoryFileSystem().pipe_file(path, bytes(blob))
+    FlakyFS.calls = []
+    with pytest.raises(CheckpointError, match="checksum"):
+        store.get(h)
+    assert FlakyFS.calls == [("read", path)]
