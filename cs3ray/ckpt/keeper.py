@@ -2,9 +2,13 @@
 
 Each rank hands its chunks to the keeper of its own node and to the keeper of one other node
 (the next alive node in id order), so a restarted group finds every shard in memory even when
-one node is gone. Keepers are detached actors: they outlive the worker group that a failure
-or resize restarts. The keeper `ray.put`s the chunks itself, so it owns them and they survive
-the death of the worker that produced them.
+one node is gone; a restore that needed such a peer copy says "peer". Keepers are detached
+actors: they outlive the worker group that a failure or resize restarts. The keeper `ray.put`s
+the chunks itself, so it owns them and they survive the death of the worker that produced them.
+
+Chunks are named by the sha256 the writer computed from these very bytes when the snapshot was
+taken; Ray objects are immutable, so a restore checks sizes, not hashes, of memory chunks (the
+small files, `.metadata` included, are still checked against the manifest's sha256).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import digest
 from .manifest import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -30,7 +33,7 @@ class Keeper:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self.blobs: dict[str, Any] = {}                  # sha256 -> ObjectRef owned by this actor
-        self.snaps: dict[str, dict[int, dict]] = {}      # run -> step -> {chunks, files, manifest}
+        self.snaps: dict[str, dict[int, dict]] = {}      # run -> step -> {chunks, own, files, manifest}
 
     def node(self) -> str:
         return self.node_id
@@ -38,21 +41,32 @@ class Keeper:
     def missing(self, hashes: list[str]) -> list[str]:
         return [h for h in hashes if h not in self.blobs]
 
-    def put(self, run: str, step: int, blobs: dict[str, Any], refs: list[str], files: dict[str, bytes]) -> None:
-        """Take chunks (only those not held yet are sent) and files of one rank for (run, step)."""
+    def _snap(self, run: str, step: int) -> dict:
+        return self.snaps.setdefault(run, {}).setdefault(
+            step, {"chunks": set(), "own": set(), "files": {}, "manifest": None})
+
+    def put(self, run: str, step: int, blobs: dict[str, Any], refs: list[str], files: dict[str, bytes],
+            own: bool = True) -> None:
+        """Take chunks (only those not held yet are sent) and files of one rank for (run, step).
+
+        `own`: the rank runs on this keeper's node; otherwise these are the peer copies of a rank
+        on another node.
+        """
         import ray
 
         for h, blob in blobs.items():
             if h not in self.blobs:
                 self.blobs[h] = ray.put(np.array(blob, copy=True))
-        snap = self.snaps.setdefault(run, {}).setdefault(step, {"chunks": set(), "files": {}, "manifest": None})
+        snap = self._snap(run, step)
         snap["chunks"].update(refs)
+        if own:
+            snap["own"].update(refs)
         snap["files"].update(files)
 
     def commit(self, run: str, step: int, manifest: dict, files: dict[str, bytes]) -> None:
         """Mark (run, step) complete; drop the run's other snapshots and chunks nothing references."""
         snaps = self.snaps.setdefault(run, {})
-        snap = snaps.setdefault(step, {"chunks": set(), "files": {}, "manifest": None})
+        snap = self._snap(run, step)
         snap["manifest"] = manifest
         snap["files"].update(files)
         for s in [s for s in snaps if s != step and s < step]:
@@ -63,9 +77,9 @@ class Keeper:
         self._gc()
 
     def index(self, run: str) -> dict[int, dict]:
-        """Committed snapshots of `run`: step -> (manifest, chunks held here, files held here)."""
+        """Committed snapshots of `run`: step -> (manifest, chunks held here, of those the own ones, files)."""
         return {s: {"manifest": sn["manifest"], "chunks": sorted(h for h in sn["chunks"] if h in self.blobs),
-                    "files": sorted(sn["files"])}
+                    "own": sorted(h for h in sn["own"] if h in self.blobs), "files": sorted(sn["files"])}
                 for s, sn in self.snaps.get(run, {}).items() if sn["manifest"] is not None}
 
     def refs(self, hashes: list[str]) -> dict[str, list]:
@@ -103,7 +117,12 @@ def keeper(node_id: str):
 
 
 class MemoryTier:
-    """A rank's view of the keepers: push this rank's chunks, commit, and read snapshots back."""
+    """A rank's view of the keepers: push this rank's chunks, commit, and read snapshots back.
+
+    `steps()` asks every alive keeper for its index once (in parallel); `file` and `fetcher`
+    reuse that answer, so a restore costs one round of index calls, one of file calls and one
+    batched reference lookup per keeper.
+    """
 
     def __init__(self, run: str) -> None:
         import ray
@@ -111,6 +130,8 @@ class MemoryTier:
         self.run = run
         self.node_id = ray.get_runtime_context().get_node_id()
         self.peer_used = False
+        self._seen: list[tuple[str, Any, dict]] | None = None   # (node, keeper, index) of the last steps()
+        self._files: dict[int, dict[str, bytes]] = {}
 
     def _targets(self) -> list[str]:
         nodes = alive_nodes()
@@ -123,10 +144,11 @@ class MemoryTier:
         """Hand this rank's chunks and files to its node's keeper and one other node's keeper."""
         import ray
 
-        keepers = [keeper(n) for n in self._targets()]
+        targets = self._targets()
+        keepers = [keeper(n) for n in targets]
         missing = ray.get([k.missing.remote(list(blobs)) for k in keepers])
-        ray.get([k.put.remote(self.run, step, {h: blobs[h] for h in miss}, list(blobs), files)
-                 for k, miss in zip(keepers, missing)])
+        ray.get([k.put.remote(self.run, step, {h: blobs[h] for h in miss}, list(blobs), files, n == self.node_id)
+                 for n, k, miss in zip(targets, keepers, missing)])
 
     def commit(self, step: int, manifest: dict, files: dict[str, bytes]) -> None:
         """Rank 0, after every rank pushed: make the snapshot visible on every alive node's keeper."""
@@ -137,14 +159,18 @@ class MemoryTier:
     def _indexes(self) -> list[tuple[str, Any, dict]]:
         import ray
 
+        asked = [(n, k, k.index.remote(self.run)) for n in alive_nodes() for k in [keeper(n)]]
         out = []
-        for n in alive_nodes():
-            k = keeper(n)
+        for n, k, ref in asked:
             try:
-                out.append((n, k, ray.get(k.index.remote(self.run), timeout=30)))
+                out.append((n, k, ray.get(ref, timeout=30)))
             except Exception as exc:  # noqa: BLE001 - a lost keeper is a memory miss, not an error
                 log.warning("keeper on node %s unreachable: %s", n[:8], exc)
+        self._seen, self._files = out, {}
         return out
+
+    def _known(self) -> list[tuple[str, Any, dict]]:
+        return self._seen if self._seen is not None else self._indexes()
 
     def steps(self) -> dict[int, dict]:
         """step -> manifest of snapshots whose every chunk and file some alive keeper holds."""
@@ -164,32 +190,68 @@ class MemoryTier:
     def file(self, step: int, name: str) -> bytes:
         import ray
 
-        for _, k, index in self._indexes():
-            if name in index.get(step, {}).get("files", []):
-                return ray.get(k.files.remote(self.run, step))[name]
-        raise CheckpointError(f"memory snapshot {step} of '{self.run}' has no '{name}'.")
+        if name not in self._files.get(step, {}):
+            for _, k, index in self._known():
+                if name in index.get(step, {}).get("files", []):
+                    self._files[step] = ray.get(k.files.remote(self.run, step))
+                    break
+        if name not in self._files.get(step, {}):
+            raise CheckpointError(f"memory snapshot {step} of '{self.run}' has no '{name}'.")
+        return self._files[step][name]
 
-    def fetcher(self, step: int):
-        """fetch(h) -> verified chunk bytes from the keepers (this node's first)."""
+    def fetcher(self, step: int, sizes: dict[str, int]):
+        """fetch(h) -> chunk bytes of the right size from the keepers.
+
+        Each chunk comes from a keeper holding it as its own node's copy when one is alive (this
+        node's first), else from a peer copy (then `peer_used`). The first call fetches every
+        chunk in one batch; a chunk whose copy fails is tried at its other holders.
+        """
         import ray
 
-        where: dict[str, list] = {}
-        indexes = sorted(self._indexes(), key=lambda e: e[0] != self.node_id)
-        for n, k, index in indexes:
-            for h in index.get(step, {}).get("chunks", []):
-                where.setdefault(h, []).append((n, k))
+        self.peer_used = False
+        where: dict[str, list[tuple[bool, str, Any]]] = {}
+        for n, k, index in self._known():
+            entry = index.get(step, {})
+            own = set(entry.get("own", entry.get("chunks", [])))
+            for h in entry.get("chunks", []):
+                where.setdefault(h, []).append((h in own, n, k))
+        for holders in where.values():
+            holders.sort(key=lambda c: (not c[0], c[1] != self.node_id))
+        got: dict[str, Any] | None = None   # the batch: every chunk from its first holder
 
-        def fetch(h: str) -> Any:
-            for n, k in where.get(h, []):
+        def batch() -> dict[str, Any]:
+            by_keeper: dict[str, tuple[Any, list[str]]] = {}
+            for h, holders in where.items():
+                _, n, k = holders[0]
+                by_keeper.setdefault(n, (k, []))[1].append(h)
+            try:
+                refs = {h: r[0] for answer in ray.get([k.refs.remote(hs) for k, hs in by_keeper.values()])
+                        for h, r in answer.items()}
+                return dict(zip(refs, ray.get(list(refs.values()))))
+            except Exception as exc:  # noqa: BLE001 - some copy is gone: chunk by chunk from here on
+                log.warning("memory snapshot %d: batched read failed (%s); reading chunk by chunk", step, exc)
+                return {}
+
+        def one(h: str) -> Any:
+            for own, n, k in where.get(h, []):
                 try:
-                    ref = ray.get(k.refs.remote([h]))[h][0]
-                    blob = ray.get(ref)
+                    blob = ray.get(ray.get(k.refs.remote([h]))[h][0])
                 except Exception as exc:  # noqa: BLE001 - try the copy on the other node
                     log.warning("chunk %s from keeper %s failed: %s", h[:12], n[:8], exc)
                     continue
-                if digest(blob) == h:
-                    self.peer_used |= n != self.node_id
+                if len(blob) == sizes.get(h):
+                    self.peer_used |= not own
                     return blob
             raise CheckpointError(f"memory snapshot {step}: chunk {h[:12]} is not held intact by any keeper.")
+
+        def fetch(h: str) -> Any:
+            nonlocal got
+            if got is None:
+                got = batch()
+            blob = got.pop(h, None)
+            if blob is not None and len(blob) == sizes.get(h):
+                self.peer_used |= not where[h][0][0]
+                return blob
+            return one(h)
 
         return fetch

@@ -138,7 +138,7 @@ class MemoryLocation:
         return checked(self.tier.file(step, name), manifest, name, self.url)
 
     def reader(self, step: int, manifest: dict):
-        return ChunkReader(lambda: self.read(step, METADATA, manifest), self.tier.fetcher(step))
+        return ChunkReader(lambda: self.read(step, METADATA, manifest), self.tier.fetcher(step, manifest["chunks"]))
 
 
 def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: dict) -> None:
