@@ -1,4 +1,8 @@
-"""`cs3 serve`: an OpenAI-compatible Ray Serve application over a run's newest checkpoint."""
+"""`cs3 serve`: an OpenAI-compatible Ray Serve application over a run's newest checkpoint.
+
+`cs3 serve RUN` serves until Ctrl-C; `--detach` leaves the app on a running cluster, and
+`cs3 serve stop --name APP --address ADDR` deletes it later.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,17 @@ import typer
 
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster import ray_cluster
-from cs3ray.serve.deploy import deploy, make_spec, serve_foreground
+from cs3ray.serve.deploy import deploy, make_spec, serve_foreground, stop
 
 from .common import AddressOpt, console, user_errors
 
+STOP = "stop"
+
 
 @user_errors
-def serve(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL."),
+def serve(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL; "
+                                              "or 'stop' to delete the app named by --name (a run called "
+                                              "stop: runs/stop)."),
           port: int = typer.Option(8000, min=1, max=65535, help="HTTP port of Serve's proxy."),
           host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for every interface)."),
           replicas: Optional[int] = typer.Option(None, min=1, help="Replicas (default: serve.replicas of the config)."),
@@ -28,6 +36,9 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           detach: bool = typer.Option(False, "--detach", help="Leave the app running on the remote cluster and exit."),
           address: Optional[str] = AddressOpt) -> None:
     """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
+    if run == STOP:
+        stop_app(name, address)
+        return
     spec = make_spec(run, name=name, token=token, follow=follow,
                      overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch})
     if detach and not address:
@@ -41,11 +52,22 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
         auth = "bearer token required" if spec.token else "no auth"
         console.print(f"serving [bold]{spec.name}[/] at {url}/v1 ({auth}); Ctrl-C to stop", highlight=False)
 
-    with ray_cluster(address, num_cpus=num_cpus, quiet=True):
+    with ray_cluster(address, num_cpus=num_cpus, quiet=True) as gcs:
         if detach:
             url = deploy(spec, host, port)
-            console.print(f"deployed [bold]{spec.name}[/] at {url}/v1; stop it with `serve shutdown` "
-                          f"or `ray job stop`", highlight=False)
+            console.print(f"deployed [bold]{spec.name}[/] at {url}/v1; stop it with "
+                          f"`cs3 serve stop --name {spec.name} --address {address or gcs}`", highlight=False, soft_wrap=True)
             return
         serve_foreground(spec, host, port, ready)
         console.print("stopped", highlight=False)
+
+
+def stop_app(name: Optional[str], address: Optional[str]) -> None:
+    """`cs3 serve stop`: delete a (detached) application from a running cluster."""
+    if not name:
+        raise UserError("cs3 serve stop needs --name APP: the application to delete.")
+    if not address:
+        raise UserError("cs3 serve stop needs --address (or RAY_ADDRESS): the cluster the app runs on.")
+    with ray_cluster(address, quiet=True):
+        stop(name)
+    console.print(f"stopped [bold]{name}[/]", highlight=False)

@@ -57,7 +57,8 @@ def build_app(spec: ServeSpec):
             raise UserError(f"serve.min_replicas={s.min_replicas} is above serve.max_replicas={s.max_replicas}.")
         options["autoscaling_config"] = {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
                                          "initial_replicas": max(1, s.min_replicas),
-                                         "target_ongoing_requests": s.target_ongoing_requests}
+                                         "target_ongoing_requests": s.target_ongoing_requests,
+                                         **spec.autoscaling_options}
     else:
         options["num_replicas"] = s.replicas
     return LLMServer.options(name=f"{spec.name}-llm", **options).bind(spec)
@@ -82,6 +83,17 @@ def shutdown(name: str) -> None:
     from ray import serve
 
     serve.delete(name, _blocking=True)
+
+
+def stop(name: str) -> None:
+    """Delete the application `name` from the connected cluster (`cs3 serve stop`); others keep running."""
+    from ray import serve
+
+    apps = serve.status().applications
+    if name not in apps:
+        running = ", ".join(sorted(apps)) or "none"
+        raise UserError(f"no Serve application named '{name}' on this cluster (running: {running}).")
+    shutdown(name)
 
 
 def serve_foreground(spec: ServeSpec, host: str, port: int, on_ready: Callable[[str], None] = print) -> None:

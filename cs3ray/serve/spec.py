@@ -24,6 +24,9 @@ class ServeSpec:
     follow: bool = False  # poll `run` for newer checkpoints and hot-swap them in
     storage_options: dict | None = None
     route_prefix: str = "/"
+    # Extra keys of Serve's autoscaling_config (upscale_delay_s, downscale_delay_s, look_back_period_s...)
+    # on top of min/max/target from the serve section; used only when autoscaling is on.
+    autoscaling_options: dict = field(default_factory=dict)
 
     def engine_options(self) -> EngineOptions:
         s = self.serve

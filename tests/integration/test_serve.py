@@ -16,10 +16,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from cluster_harness import free_port, start_head
+from cluster_harness import free_port
+from conftest import run_cs3
 from serve_checkpoints import make_checkpoint
 
-from cs3ray.serve.deploy import deploy, make_spec, shutdown
+from cs3ray.errors import UserError
+from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 
 # Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
 # importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.
@@ -230,46 +232,136 @@ def test_cli_serve_missing_run_is_one_line(tmp_path):
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_jobs_serve_with_ray_job_submit_and_stop(tmp_path):
-    # A head of its own: `ray start` binds the job agent to port 52365 unless told otherwise, so
-    # the session head has no job agent while another head runs on this machine.
-    head = start_head(num_cpus=4, extra=[f"--dashboard-agent-listen-port={free_port()}"])
-    run, port = tmp_path / "run", free_port()
+def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
+    # On the session head, whose job agent listens on a port of its own (cluster_harness); the
+    # job joins the Serve instance this module started, so it is given the same host and port.
+    run = tmp_path / "run"
     make_checkpoint(run, step=4)
-    cmd = ["ray", "job", "submit", "--address", head.dashboard_url, "--no-wait", "--working-dir", ".",
+    cmd = ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--no-wait", "--working-dir", ".",
            "--runtime-env-json", json.dumps({"excludes": ["runs/", ".cs3/", ".git/", "*.egg-info/"]}), "--",
-           "python", "jobs/serve.py", str(run), "--port", str(port), "--name", "job-test"]
+           "python", "jobs/serve.py", str(run), "--host", "127.0.0.1", "--port", str(http_port), "--name", "job-test"]
+    for _ in range(20):  # the job agent can take a few seconds to come up on a busy machine
+        submit = subprocess.run(cmd, env=ray_head.env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if "No available agent" not in submit.stderr:
+            break
+        time.sleep(2)
+    assert submit.returncode == 0, submit.stderr[-2000:]
+    job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
+    base = f"http://127.0.0.1:{http_port}"
     try:
-        for _ in range(20):  # the job agent can take a few seconds to come up on a busy machine
-            submit = subprocess.run(cmd, env=head.env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-            if "No available agent" not in submit.stderr:
-                break
-            time.sleep(2)
-        assert submit.returncode == 0, submit.stderr[-2000:]
-        job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline, out = time.time() + 120, None
-            while time.time() < deadline:
-                try:
-                    out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
-                    break
-                except (openai.APIError, OSError):
-                    time.sleep(1)
-            assert out is not None and out.system_fingerprint == "step-4"
-        finally:
-            subprocess.run(["ray", "job", "stop", "--address", head.dashboard_url, job], env=head.env(),
-                           capture_output=True, timeout=120)
-        # `ray job stop` sends SIGTERM: the job deletes its app on the way out (the proxy stays).
-        deadline = time.time() + 30
+        deadline, out = time.time() + 120, None
         while time.time() < deadline:
             try:
-                healthy(base)
-                time.sleep(0.5)
-            except urllib.error.HTTPError as exc:
-                assert exc.code == 404
+                out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
                 break
-        else:
-            raise AssertionError("the app outlived its job")
+            except (openai.APIError, OSError):
+                time.sleep(1)
+        assert out is not None and out.system_fingerprint == "step-4"
     finally:
-        head.stop()
+        subprocess.run(["ray", "job", "stop", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
+                       capture_output=True, timeout=120)
+    # `ray job stop` sends SIGTERM: the job deletes its app on the way out (the proxy stays).
+    assert gone(base, 30), "the app outlived its job"
+
+
+def gone(base: str, seconds: float) -> bool:
+    """True once nothing answers at base (the proxy's 404) within `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            healthy(base)
+            time.sleep(0.5)
+        except urllib.error.HTTPError as exc:
+            return exc.code == 404
+    return False
+
+
+def test_cli_detach_outlives_the_cli_times_out_with_408_and_stops(ray_head, http_port, tmp_path):
+    run = tmp_path / "run"
+    # The checkpoint's serve section carries a short per-request timeout for this app.
+    make_checkpoint(run, step=5, overrides=["serve.request_timeout_s=0.5"])
+    where = ["--name", "detach-test", "--address", ray_head.address]
+    up = run_cs3(["serve", str(run), "--detach", "--port", str(http_port), "--dtype", "fp32", "--max-batch", "1",
+                  *where], env=ray_head.env(), timeout=180)
+    base = f"http://127.0.0.1:{http_port}"  # the CLI has exited; the app answers
+    c = client(base, token=None)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"cs3 serve stop --name detach-test --address {ray_head.address}" in up.stdout
+        assert healthy(base)
+        # One slot (--max-batch 1): a long stream holds it, so the next request waits in the queue
+        # behind a whole 254-token generation plus its own, far past the 0.5 s timeout.
+        stream = c.completions.create(model="detach-test", prompt="x", max_tokens=254, temperature=0, stream=True)
+        first = next(iter(stream))
+        status, body = post(base, json.dumps({"model": "detach-test", "prompt": "y", "max_tokens": 254}), token=None)
+        assert status == 408, body
+        assert body["error"]["code"] == "timeout" and "longer than 0.5 s" in body["error"]["message"]
+        # The stream is older still: past its timeout it ends with an error event (the status was already 200).
+        with pytest.raises(openai.APIError, match="longer than"):
+            list(stream)
+        assert first.choices[0].text is not None
+        deadline = time.time() + 10
+        while time.time() < deadline and (health := status_of(base))["running"] + health["waiting"]:
+            time.sleep(0.2)
+        assert health["running"] == health["waiting"] == 0, health  # the timed-out requests left their slots
+        out = c.completions.create(model="detach-test", prompt="a", max_tokens=2)
+        assert out.system_fingerprint == "step-5" and out.usage.completion_tokens == 2
+    finally:
+        down = run_cs3(["serve", "stop", *where], env=ray_head.env(), timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert gone(base, 30)
+    with pytest.raises(UserError, match="no Serve application named 'detach-test'"):
+        stop("detach-test")  # what `cs3 serve stop` says (exit 2) once it is gone
+
+
+def status_of(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def replica_states(app: str) -> dict[str, int]:
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    return dict(status.deployments[f"{app}-llm"].replica_states) if status and status.deployments else {}
+
+
+def test_autoscaling_adds_a_replica_under_load_then_removes_it(http_port, tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run, step=6)
+    spec = make_spec(str(run), name="scale-test", route_prefix="/scale",
+                     overrides={"dtype": "fp32", "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1})
+    # Serve's defaults wait 30 s to scale up and 600 s to scale down; short delays keep the test short.
+    spec.autoscaling_options = {"upscale_delay_s": 0.5, "downscale_delay_s": 1.0, "look_back_period_s": 1.0,
+                                "metrics_interval_s": 0.5}
+    url = deploy(spec, "127.0.0.1", http_port)
+    stop, errors = threading.Event(), []
+
+    def load() -> None:
+        c = client(url, token=None)
+        while not stop.is_set():
+            try:
+                c.completions.create(model="scale-test", prompt="x", max_tokens=200, extra_body={"ignore_eos": True})
+            except openai.APIError as exc:
+                errors.append(exc)
+    try:
+        assert replica_states("scale-test") == {"RUNNING": 1}
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline, states = time.time() + 90, {}
+        # Four requests in flight against a target of one per replica: Serve adds the second.
+        while time.time() < deadline and (states := replica_states("scale-test")).get("RUNNING", 0) < 2:
+            time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert states.get("RUNNING") == 2, states
+        assert not errors, errors[0]
+        deadline = time.time() + 60
+        while time.time() < deadline and (states := replica_states("scale-test")) != {"RUNNING": 1}:
+            time.sleep(0.5)
+        assert states == {"RUNNING": 1}, states  # idle again: back to min_replicas
+    finally:
+        stop.set()
+        shutdown(spec.name)

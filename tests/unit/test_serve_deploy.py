@@ -28,9 +28,12 @@ def test_spec_reads_the_checkpoints_serve_section_with_cli_overrides(tmp_path):
 def test_autoscaling_from_config(tmp_path):
     make_checkpoint(tmp_path / "run", overrides=["serve.min_replicas=1", "serve.max_replicas=4",
                                                  "serve.target_ongoing_requests=24", "serve.num_gpus=0.25"])
-    config, actor = deployment_config(build_app(make_spec(str(tmp_path / "run"))))
+    spec = make_spec(str(tmp_path / "run"))
+    spec.autoscaling_options = {"upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
+    config, actor = deployment_config(build_app(spec))
     auto = config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 24)
+    assert (auto.upscale_delay_s, auto.downscale_delay_s) == (2.0, 5.0)
     assert actor["num_gpus"] == 0.25
 
 
