@@ -72,7 +72,7 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
 @app.command("serve")
 def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None, "--small/--no-small",
               help="Also benchmark the small model (default: yes, except with --quick)."),
-              dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16), bf16, fp32."),
+              dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16 on bf16 hardware, else fp32), bf16, fp32."),
               as_json: bool = JsonOpt) -> None:
     """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64."""
     from cs3ray.bench import serve as serve_bench

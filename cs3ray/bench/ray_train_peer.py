@@ -23,6 +23,7 @@ def train_fn(config: dict[str, Any]) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from cs3ray.core.precision import autocast, resolve_precision
     from cs3ray.models import PRESETS, Transformer
 
     torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def train_fn(config: dict[str, Any]) -> None:
     rng = np.random.default_rng(rank + 1000 * start)
     for step in range(start + 1, config["steps"] + 1):
         x = torch.from_numpy(rng.integers(0, 256, (config["batch"], config["seq"] + 1)))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(resolve_precision("auto", "cpu"), torch.device("cpu")):
             logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         loss.backward()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cs3ray.config import JobConfig, load_config
 from cs3ray.core.mfu import mfu
-from cs3ray.core.precision import autocast, compute_dtype
+from cs3ray.core.precision import autocast, compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
 from cs3ray.models import Transformer, train_flops_per_token
 from cs3ray.ops.cluster import ray_cluster
@@ -40,13 +40,14 @@ def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, s
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                             foreach=True)
     device = torch.device("cpu")
+    precision = resolve_precision(cfg.precision, device)
     b = t.batch_size
     start = 0.0
     for i in range(warmup + steps):
         if i == warmup:
             start = time.perf_counter()
         x = torch.from_numpy(batches[(i * b) % (len(batches) - b):][:b])
-        with autocast(cfg.precision, device):
+        with autocast(precision, device):
             logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
@@ -79,9 +80,10 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     if len(data) < 2 * batch:  # tiny corpora: fall back to the train split for the peer's batches
         data = read_split(shards, manifest, "train")
     flops_per_token = train_flops_per_token(base.model.args(), base.train.seq_len)
-    peak = measure_peak(compute_dtype(base.precision), threads, size=1024 if quick else 2048,
+    precision = resolve_precision(base.precision, "cpu")
+    peak = measure_peak(compute_dtype(precision), threads, size=1024 if quick else 2048,
                         seconds=0.5 if quick else 2.0)
-    log(f"peak {base.precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
+    log(f"peak {precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
 
     log("plain PyTorch loop (the peer)")
     baseline = plain_loop(base, data, threads, warmup, steps)

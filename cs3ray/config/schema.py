@@ -201,7 +201,8 @@ class ServeConfig(Section):
     kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
     max_prefill_tokens: int = Field(256, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="Inference precision; 'auto' is bf16 (on CPU and GPU).")
+        "auto", description="Inference precision; 'auto' is bf16 where the device has bf16 hardware, else "
+                            "fp16 on GPUs and fp32 on CPUs.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request still running after this long is cancelled (HTTP 408).")
     follow_interval_s: float = Field(5.0, gt=0, description="With --follow, seconds between looks for a newer checkpoint.")
     stream_interval_ms: float = Field(
@@ -215,8 +216,10 @@ class JobConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus and shards.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    precision: Literal["bf16", "fp16", "fp32"] = Field(
-        "bf16", description="Compute precision: bf16/fp16 autocast with fp32 master weights, or fp32.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Compute precision: bf16/fp16 autocast with fp32 master weights, or fp32; 'auto' is "
+                            "bf16 where the device has bf16 hardware (GPUs, CPUs with AMX or AVX512-BF16), "
+                            "else fp16 on GPUs and fp32 on CPUs.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray cluster and workers.")

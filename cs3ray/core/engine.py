@@ -22,7 +22,7 @@ from .grads import clip_grad_norm
 from .memory import owned_bytes, peak_step_memory
 from .mesh import Topology
 from .optim import build_optimizer, set_lr
-from .precision import LossScaler, autocast
+from .precision import LossScaler, autocast, resolve_precision
 from .state import capture, init_adamw_state, local_optimizer, restore
 
 
@@ -31,6 +31,7 @@ class ComputeCore:
 
     def __init__(self, cfg: JobConfig, device: torch.device, topology: Topology) -> None:
         self.cfg, self.device, self.topo = cfg, device, topology
+        self.precision = resolve_precision(cfg.precision, device)
         p, t = cfg.parallel, cfg.train
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = model_from_config(cfg).to(device)
@@ -52,7 +53,7 @@ class ComputeCore:
             parallel.apply_compile(model)
         self.autocast = True
         if p.strategy == "fsdp" and distributed:
-            parallel.apply_fsdp(model, mesh["dp"], cfg.precision)
+            parallel.apply_fsdp(model, mesh["dp"], self.precision)
             self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
         elif distributed and topology.dp > 1:
             model = parallel.apply_ddp(model, device, group=mesh["dp"].get_group() if p.tp > 1 else None)
@@ -70,13 +71,13 @@ class ComputeCore:
             self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas)
         init_adamw_state(local_optimizer(self.optimizer))
         self.params = [q for q in model.parameters() if q.requires_grad]
-        self.scaler = LossScaler(cfg.precision == "fp16")
+        self.scaler = LossScaler(self.precision == "fp16")
         self.grad_accum = t.grad_accum  # the worker adapts it to keep the global batch on resizes
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
 
     def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = autocast(self.cfg.precision, self.device) if self.autocast else contextlib.nullcontext()
+        ctx = autocast(self.precision, self.device) if self.autocast else contextlib.nullcontext()
         with ctx:
             logits = self.model(x[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cs3ray.config.schema import ServeConfig
+from cs3ray.core.precision import DTYPES, resolve_precision
 
 from .engine import EngineOptions
 
-DTYPES = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -35,5 +35,5 @@ class ServeSpec:
 
     def dtype(self, device: str) -> torch.dtype:
         """The inference dtype; fp16 is GPU-only (CPU fp16 kernels are slow and partly missing)."""
-        dtype = DTYPES[self.serve.dtype]
+        dtype = DTYPES[resolve_precision(self.serve.dtype, device)]
         return torch.bfloat16 if dtype == torch.float16 and device == "cpu" else dtype

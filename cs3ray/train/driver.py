@@ -82,7 +82,7 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
         "final_val_loss": end.get("val_loss"), "tokens_per_s": round(tps, 1),
         "tokens_seen": end.get("tokens_seen", 0), "workers": start.get("workers", cfg.cluster.max_workers),
         "restarts": sum(1 for e in events if e["event"] == "restored") - (1 if resumed else 0),
-        "precision": cfg.precision, "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
+        "precision": start.get("precision", cfg.precision), "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
         "checkpoint": run.child(step_dir(steps[-1])).url if steps else None, "wall_s": round(wall_s, 1),
         "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
         "peak_flops": start.get("peak_flops"), "threads": start.get("threads"), "tp": cfg.parallel.tp,

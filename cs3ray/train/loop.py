@@ -92,7 +92,7 @@ class Worker:
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
         # MFU is against the peak of this worker's own device and thread count, measured here.
-        self.peak_flops = measure_peak(compute_dtype(cfg.precision), self.threads, size=1024, seconds=0.5,
+        self.peak_flops = measure_peak(compute_dtype(self.core.precision), self.threads, size=1024, seconds=0.5,
                                        device=self.device.type)
 
     def _val_slice(self, shards_url: str) -> list[np.ndarray]:
@@ -144,7 +144,7 @@ class Worker:
         meta = {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
                 "val_loss": p.val_loss, "scaler": self.core.scaler.state_dict(), "world_size": self.world,
                 "data": self.stream.state() if self.stream is not None else p.data_position,
-                "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "precision": self.cfg.precision}
+                "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "precision": self.core.precision}
         files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
         t0 = time.perf_counter()
         url = self.ckpt.save(p.step, self.core.state(), meta, rng_state(), files)
@@ -158,7 +158,7 @@ class Worker:
         tokens_per_step = self.plan.global_samples * t.seq_len
         self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
                     nodes=len(set(self.topo.node_ids)), tp=self.topo.tp, strategy=cfg.parallel.strategy,
-                    peak_flops=self.peak_flops, threads=self.threads, pids=_all_gather(os.getpid()),
+                    peak_flops=self.peak_flops, threads=self.threads, precision=self.core.precision, pids=_all_gather(os.getpid()),
                     micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum)
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
