@@ -168,8 +168,8 @@ class Storage:
     def read_text(self, *parts: str) -> str:
         return self.read_bytes(*parts).decode()
 
-    def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Write a file so no reader ever sees it half-written.
+    def write_bytes(self, data: Any, *parts: str) -> None:
+        """Write bytes (or any contiguous buffer) to a file so no reader ever sees it half-written.
 
         Local files go to a temp name and are renamed; object stores commit a PUT atomically.
         """
@@ -180,7 +180,7 @@ class Storage:
             if parent:
                 self.fs.makedirs(parent, exist_ok=True)
             if is_remote(self.url):
-                self.fs.pipe_file(target, data)
+                self.fs.pipe_file(target, data if isinstance(data, bytes) else memoryview(data).tobytes())
                 return
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:

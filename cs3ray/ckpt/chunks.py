@@ -60,7 +60,7 @@ class ChunkStore:
         return h[:2], h
 
     def put(self, h: str, blob: Any) -> None:
-        self.root.write_bytes(memoryview(blob).tobytes() if not isinstance(blob, bytes) else blob, *self.name(h))
+        self.root.write_bytes(blob, *self.name(h))
 
     def get(self, h: str) -> bytes:
         """A chunk's bytes, after checking they still hash to its name."""

@@ -35,7 +35,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.utils._pytree import tree_map
 
 from cs3ray.errors import UserError
 from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, open_url
@@ -43,6 +42,7 @@ from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, o
 from .chunks import ChunkStore, ChunkWriter
 from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
 from .manifest import CheckpointError, write_manifest
+from .staging import Stager, lower_priority
 
 log = logging.getLogger(__name__)
 # Loading or saving in one process (inference, export, tests) is intended, not a mistake.
@@ -93,17 +93,6 @@ def dcp_reader(folder: Storage):
     return FileSystemReader(folder.url)
 
 
-def stage(state: Any) -> Any:
-    """A private CPU copy of every tensor in `state` (the device-to-host copy that blocks)."""
-    def copy(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.device.type == "cpu" or hasattr(x, "device_mesh"):
-            return x.detach().clone()
-        return x.detach().to("cpu", copy=True)
-    return tree_map(copy, state)
-
-
 @dataclass
 class Restored:
     """What `load` used: the step, the tier (memory | peer | storage | replica) and its URL."""
@@ -139,7 +128,9 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._staged = threading.Event()
         self._staged.set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_mode == "async" else None
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="ckpt", initializer=lower_priority)
+                      if async_mode == "async" else None)
+        self._stager = Stager()
         # Background saves talk over their own gloo group, never the training group's stream.
         self._group = dist.new_group(backend="gloo") if self._pool and dist.is_initialized() else None
 
@@ -174,7 +165,7 @@ class CheckpointManager:
             self._write(*job)
         else:
             self._staged.clear()
-            staged = stage(state)
+            staged = self._stager.stage(state)  # the buffers are free: the previous write has finished
             self._staged.set()
             self._pending = self._pool.submit(self._write, step, staged, *job[2:])
         return self.run.child(step_dir(step)).url
