@@ -29,6 +29,9 @@ from cs3ray.train.driver import prepare_data, train
 from .peak import measure_peak
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
+# The default run's whole budget: 10 minutes, less what start-up, peaks and workers' start cost.
+BUDGET_S = 420.0
+MODES = 1 + 1 + len(STRATEGIES)  # the peer, 1 worker, 2 workers per strategy
 
 
 def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, steps: int) -> float:
@@ -58,6 +61,13 @@ def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, s
     return b * t.seq_len * steps / (time.perf_counter() - start)
 
 
+def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int, int] = (3, 15)) -> tuple[int, int]:
+    """(warm-up, measured) steps per mode that fit the budget: at least 1 + 2, at most `most`."""
+    per_mode = max(3, int(budget_s / (modes * step_s)))
+    warmup = min(most[0], max(1, per_mode // 5))
+    return warmup, max(2, min(most[1], per_mode - warmup))
+
+
 def _cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
     cfg = load_config(cfg_path, overrides + [f"run.dir={os.path.join(root, name)}", f"run.name={name}"])
     return train(cfg, overwrite=True, quiet=True)
@@ -72,6 +82,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     else:
         warmup, steps = 3, 15
     base = load_config(config)
+    tokens_per_step = base.train.batch_size * base.train.seq_len
     batch = base.train.batch_size
     per_worker_batch = max(1, batch // 2)
     log(f"preparing data for {config}")
@@ -85,6 +96,12 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
                         seconds=0.5 if quick else 2.0)
     log(f"peak {precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
 
+    if not quick:
+        # A step of the same config costs 1.5 s on a CPU with AMX and 30 s on an AVX2 one: fit
+        # the number of steps to what one step costs here, so the default run stays in budget.
+        step_s = tokens_per_step / plain_loop(base, data, threads, 1, 1)
+        warmup, steps = steps_for_budget(step_s, BUDGET_S, MODES)
+        log(f"one step takes {step_s:.1f} s: {warmup} warm-up + {steps} measured steps per mode")
     log("plain PyTorch loop (the peer)")
     baseline = plain_loop(base, data, threads, warmup, steps)
     log(f"  {baseline:,.0f} tokens/s")

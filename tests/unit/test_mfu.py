@@ -4,6 +4,8 @@ import pytest
 
 from core_harness import global_batches, run_core
 from cs3ray.bench.peak import measure_peak
+from cs3ray.bench.train import steps_for_budget
+from cs3ray.core.precision import native_bf16, resolve_precision
 from cs3ray.core.mfu import mfu, model_flops_per_step
 from cs3ray.models import ModelArgs, train_flops_per_token
 
@@ -21,6 +23,19 @@ def test_peak_is_measured_and_positive():
     import torch
 
     assert measure_peak(torch.float32, 1, size=256, seconds=0.1) > 1e8
+
+
+def test_auto_precision_is_bf16_only_on_bf16_hardware():
+    assert resolve_precision("auto", "cpu") == ("bf16" if native_bf16("cpu") else "fp32")
+    assert resolve_precision("fp16", "cpu") == "fp16"  # a named precision is kept as asked
+
+
+def test_bench_steps_fit_the_budget():
+    assert steps_for_budget(1.5, 420, 5) == (3, 15)  # fast steps: the full run
+    warmup, steps = steps_for_budget(30, 420, 5)  # 30 s steps: the fewest that still measure
+    assert (warmup, steps) == (1, 2)
+    warmup, steps = steps_for_budget(6, 420, 5)
+    assert 5 * (warmup + steps) * 6 <= 420 + 5 * 6
 
 
 @pytest.mark.parametrize("flag", ["train.activation_checkpointing=true", "train.compile=true"])
