@@ -91,9 +91,11 @@ def run(config: str = "configs/small.yaml", quick: bool = False, log: Callable[[
     work = tempfile.mkdtemp(prefix="cs3-bench-ckpt-")
     out: dict[str, Any] = {"config": config}
     try:
-        # (1) step time with no checkpoints, then sync and async every K steps. The modes take
-        # turns for `rounds` rounds and each keeps its best, so a burst of other load on the
-        # machine hits all of them alike instead of whichever mode ran at the time.
+        # (1) Step time with no checkpoints vs a checkpoint every K steps, sync and async. One
+        # interval is K steps, after a save (sync, async) or not (none); an async interval ends
+        # by waiting for its write, so it carries the save's whole cost. The modes take turns
+        # interval by interval and each keeps its fastest, so bursts of other load on a shared
+        # machine hit every mode alike instead of whichever ran at the time.
         tr = _Trainer(cfg)
         tr.step()  # warm-up
         step_s = min(_timed(tr.step) for _ in range(3))
@@ -107,31 +109,31 @@ def run(config: str = "configs/small.yaml", quick: bool = False, log: Callable[[
         managers["async"].wait()
         k = max(1, int(save_s / (0.25 * step_s)))  # sync then costs >= 20% of step time (about 25%)
         say(f"step {step_s:.3f}s, sync save {save_s:.3f}s -> checkpoint every {k} steps")
-        n, rounds = 3 * k, 1 if quick else 3
         times: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
         blocking: list[float] = []  # what each async save() call blocked training for
-        for _ in range(rounds):
-            for mode in times:
+        for _ in range(2 if quick else 5):
+            for mode, took in times.items():
                 mgr = managers.get(mode)
 
-                def loop() -> None:
-                    for i in range(1, n + 1):
-                        tr.step(mgr)
-                        if mgr is not None and i % k == 0 and i < n:
-                            took = _timed(lambda: tr.save(mgr))
-                            if mgr.async_mode == "async":
-                                blocking.append(took)
+                def interval() -> None:
                     if mgr is not None:
-                        mgr.wait()  # the async writes must be finished inside the timed window
-                times[mode].append(_timed(loop))
-            say("  ".join(f"{m}: {t[-1] / n:.3f}s/step" for m, t in times.items()))
+                        t = _timed(lambda: tr.save(mgr))
+                        if mgr.async_mode == "async":
+                            blocking.append(t)
+                    for _ in range(k):
+                        tr.step(mgr)
+                    if mgr is not None:
+                        mgr.wait()  # the async write must be finished inside the timed window
+                took.append(_timed(interval))
+            say("  ".join(f"{m}: {t[-1] / k:.3f}s/step" for m, t in times.items()))
         for mgr in managers.values():
             mgr.close()
         best = {m: min(t) for m, t in times.items()}
-        out.update(interval_steps=k, step_s=step_s, save_s=save_s, rounds=rounds,
+        out.update(interval_steps=k, step_s=step_s, save_s=save_s, intervals=len(times["none"]),
                    sync_overhead_pct=100 * (best["sync"] - best["none"]) / best["none"],
                    async_overhead_pct=100 * (best["async"] - best["none"]) / best["none"],
-                   async_blocking_s=float(np.median(blocking)), step_s_by_mode={m: t / n for m, t in best.items()})
+                   async_blocking_s=float(np.median(blocking)), step_s_by_mode={m: t / k for m, t in best.items()},
+                   interval_s_median={m: float(np.median(t)) for m, t in times.items()})
 
         # (2) fine-tune with embeddings and all blocks but the last frozen: second checkpoint's new bytes.
         pre = CheckpointManager(f"{work}/pre", keep=1)

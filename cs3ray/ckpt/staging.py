@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .chunks import copy_into
+
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ class Stager:
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 buf = self._buffer(i, x)
-                buf.copy_(x.detach(), non_blocking=x.is_cuda)
+                copy_into(buf, x.detach())
                 on_gpu |= x.is_cuda
                 x = buf
             out.append(x)
