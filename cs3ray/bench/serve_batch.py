@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from cs3ray.ckpt import load_for_inference
-from cs3ray.serve.app import freeze_heap, read_json, sse
+from cs3ray.serve.app import tune_replica_process, read_json, sse
 from cs3ray.serve.engine import Engine, EngineOptions
-from cs3ray.serve.pump import EventPump
+from cs3ray.serve.pump import EventPump, Pacer
 from cs3ray.serve.schemas import APIError, CompletionRequest, completion_body, new_id, parse, prompt_ids, usage
 from cs3ray.serve.sequence import Event, GenRequest
 from cs3ray.serve.spec import ServeSpec
@@ -47,7 +47,8 @@ class RequestBatchServer:
         self.tokenizer, self.context = loaded.tokenizer, loaded.model.args.max_seq_len
         self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, EngineOptions(max_batch=MAX_BATCH_SIZE, threads=max(1, int(spec.serve.num_cpus))))
         threading.Thread(target=self.engine.loop, daemon=True).start()
-        freeze_heap()  # as cs3ray's server does
+        self.pacer = Pacer(spec.serve.stream_interval_ms / 1e3, spec.stream_events_per_s)
+        tune_replica_process()  # as cs3ray's server does
 
     @batch_api.get("/healthz")
     async def healthz(self) -> dict:
@@ -83,12 +84,13 @@ class RequestBatchServer:
             gen.emit = pump.emitter(lambda ev, i=i: queue.put_nowait((i, ev)))
             gen.arrived = time.perf_counter()
             self.engine.submit(gen)
-        # The same transport as cs3ray's server: events within stream_interval_ms share a chunk.
-        interval, last_sent = self.spec.serve.stream_interval_ms / 1e3, 0.0
-        done: set[int] = set()
+        # The same transport as cs3ray's server: each member's events since its last chunk go out
+        # as one, paced by the same rule (this batch's members count as the replica's streams).
+        last_sent, done = 0.0, set()
         while len(done) < len(gens):
             ready = [await queue.get()]
-            wait = last_sent + interval - loop.time()
+            self.pacer.active = len(gens) - len(done)
+            wait = last_sent + self.pacer.interval() - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
             while not queue.empty():

@@ -115,7 +115,8 @@ async def _run(url: str, model: str, items: list[Item], timeout: float) -> dict:
     return {"tokens_per_s": sum(r.tokens for r in ok) / max(end - start, 1e-9),
             "p50_ttft_ms": _pct(ttfts, 50), "p99_ttft_ms": _pct(ttfts, 99), "p99_itl_ms": _pct(gaps, 99),
             "p50_itl_ms": _pct(gaps, 50), "p90_itl_ms": _pct(gaps, 90), "max_itl_ms": max(gaps, default=float("nan")),
-            "errors": len(errors), "requests": len(items), "first_error": errors[0] if errors else None}
+            "errors": len(errors), "requests": len(items), "first_error": errors[0] if errors else None,
+            "tokens_per_chunk": sum(r.tokens for r in ok) / max(1, sum(len(r.gaps) + 1 for r in ok))}
 
 
 def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) -> dict:

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -27,7 +28,7 @@ from .auth import check_bearer
 from .engine import Engine, QueueFull
 from .follow import Follower
 from .metrics import RayMetrics
-from .pump import EventPump
+from .pump import EventPump, Pacer
 from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body, chat_prompt, completion_body,
                       new_id, parse, prompt_ids, usage)
 from .sequence import Event, GenRequest
@@ -36,6 +37,7 @@ from .spec import ServeSpec
 log = logging.getLogger(__name__)
 # Far above any prompt that fits a context window; bounds what a client can make a replica buffer.
 MAX_BODY_BYTES = 4 << 20
+SWITCH_INTERVAL_S = 0.0002
 api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None)
 
 
@@ -71,14 +73,19 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def freeze_heap() -> None:
-    """Exempt everything loaded so far (Ray, torch, the model) from the garbage collector's scans.
+def tune_replica_process() -> None:
+    """Process-wide settings for a replica whose engine thread runs beside Serve's asyncio threads.
 
-    A full collection walks every live object: in a replica that is millions of objects and
-    stalls every stream for a long moment; frozen, it only walks what requests allocated.
+    The heap loaded so far (Ray, torch, the model) is frozen out of the garbage collector's
+    scans: a full collection walks every live object, millions in a replica, and stalls every
+    stream; frozen, it only walks what requests allocated. And the GIL switch interval is cut
+    from 5 ms: the engine thread gives the GIL up inside every torch op and must win it back
+    after each one, and while the asyncio threads are busy streaming, each win could wait the
+    full interval, hundreds of times per decode step.
     """
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def sse(body: dict) -> str:
@@ -107,7 +114,8 @@ class LLMServer:
         self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
         self.created = int(time.time())
         self._pump: EventPump | None = None
-        freeze_heap()
+        self.pacer = Pacer(spec.serve.stream_interval_ms / 1e3, spec.stream_events_per_s)
+        tune_replica_process()
 
 
     def _swap(self, model: torch.nn.Module, step: int) -> None:
@@ -166,10 +174,10 @@ class LLMServer:
         ids = prompt_ids(self.tokenizer, text)
         return GenRequest(ids, req.sampling(len(ids), self.context), stop, ignore_eos=req.ignore_eos)
 
-    async def _events(self, gen: GenRequest) -> AsyncIterator[Event]:
-        """Engine events for one request; what piles up within stream_interval_ms goes out as one."""
+    async def _events(self, gen: GenRequest, paced: bool) -> AsyncIterator[Event]:
+        """Engine events for one request; a paced stream gets what piled up since its last chunk as one."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()
         if self._pump is None:  # the replica's event loop exists only once requests arrive
             self._pump = EventPump(loop)
         gen.emit = self._pump.emitter(queue.put_nowait)
@@ -177,34 +185,41 @@ class LLMServer:
             self.engine.submit(gen)
         except QueueFull as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later", "server_error", code="overloaded") from None
-        deadline = loop.time() + self.spec.serve.request_timeout_s
-        interval = self.spec.serve.stream_interval_ms / 1e3
-        done, last_sent = False, 0.0
+        timeout_s = self.spec.serve.request_timeout_s
+        timer = loop.call_later(timeout_s, queue.put_nowait, None)  # None in the queue: time is up
+        pacer = self.pacer if paced else None
+        done, sending, last_sent = False, False, 0.0
         try:
             while not done:
-                try:
-                    ev = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
-                    wait = last_sent + interval - loop.time()
-                    if wait > 0 and ev.finish_reason is None:
+                ev = await queue.get()
+                if pacer and not sending:  # a stream counts once it runs (queued ones send nothing)
+                    pacer.active += 1
+                    sending = True
+                if pacer and ev is not None and ev.finish_reason is None:
+                    wait = last_sent + pacer.interval() - loop.time()
+                    if wait > 0:
                         await asyncio.sleep(wait)
-                except asyncio.TimeoutError:
-                    raise APIError(408, f"the request ran longer than {self.spec.serve.request_timeout_s:g} s "
-                                        "and was cancelled; ask for fewer max_tokens", code="timeout") from None
-                while not queue.empty() and ev.finish_reason is None:
+                while ev is not None and ev.finish_reason is None and not queue.empty():
                     nxt = queue.get_nowait()
-                    ev = Event(ev.text + nxt.text, nxt.finish_reason, nxt.prompt_tokens, nxt.completion_tokens,
-                               nxt.error)
+                    ev = nxt and Event(ev.text + nxt.text, nxt.finish_reason, nxt.prompt_tokens,
+                                       nxt.completion_tokens, nxt.error)
+                if ev is None:
+                    raise APIError(408, f"the request ran longer than {timeout_s:g} s and was cancelled; "
+                                        "ask for fewer max_tokens", code="timeout")
                 done = ev.finish_reason is not None
                 if ev.finish_reason == "error":
                     raise APIError(503, ev.error or "generation failed", "server_error")
                 last_sent = loop.time()
                 yield ev
         finally:
+            timer.cancel()
+            if sending:
+                pacer.active -= 1
             if not done:  # the client went away or timed out: free the slot
                 self.engine.cancel(gen)
 
     async def _respond(self, req: "CompletionRequest | ChatRequest", gen: GenRequest, body) -> Any:
-        events = self._events(gen)
+        events = self._events(gen, paced=req.stream)
         if not req.stream:
             parts, last = [], None
             async for ev in events:

@@ -18,9 +18,8 @@ from typing import Protocol
 import torch
 
 from cs3ray.models import Transformer
-from cs3ray.models.generate import sample_next
 
-from .forward import ragged_forward
+from .forward import pack, ragged_forward
 from .kv import SlotCache
 from .sequence import Event, GenRequest, Sequence
 
@@ -54,6 +53,19 @@ class EngineOptions:
     threads: int | None = None  # torch threads of the engine thread (None: leave torch's default)
 
 
+def filtered(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row of probabilities restricted to its top_k tokens, then to the smallest set
+    holding top_p of the remaining mass (the first token always stays); not renormalised."""
+    if top_k > 0:
+        kth = torch.topk(probs, min(top_k, probs.shape[-1])).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        sorted_p, idx = (probs / probs.sum()).sort(descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = probs.scatter(-1, idx[drop], 0.0)
+    return probs
+
+
 class QueueFull(Exception):
     """The engine's waiting queue is at its limit; the caller should answer 503."""
 
@@ -63,7 +75,7 @@ class Engine:
 
     def __init__(self, model: Transformer, eos_id: int, options: EngineOptions = EngineOptions(),
                  metrics: Metrics | None = None) -> None:
-        self.model = model
+        self.model = pack(model)
         self.eos_id = eos_id
         self.options = options
         self.metrics = metrics or NoMetrics()
@@ -100,6 +112,7 @@ class Engine:
         """Use new weights from the next step on; running sequences continue, none is dropped."""
         if model.args != self.model.args:
             raise ValueError("the new checkpoint has a different model shape; restart the server to change it")
+        pack(model)  # in the caller's thread: the engine thread only switches
         with self._lock:
             self._next_model = model
             self._lock.notify()
@@ -144,8 +157,8 @@ class Engine:
             req.emit(Event("", "cancelled", len(req.prompt_ids)))
         for seq in [s for s in self.running if id(s.req) in cancelled]:
             self._finish(seq, "cancelled")
-        for seq in admitted:
-            self._prefill(seq)
+        if admitted:
+            self._prefill(admitted)
         decoding = [s for s in self.running if s.pending is not None and s not in admitted]
         if decoding:
             self._decode(decoding)
@@ -167,16 +180,26 @@ class Engine:
             admitted.append(seq)
         return admitted
 
-    def _prefill(self, seq: Sequence) -> None:
-        n = len(seq.req.prompt_ids)
-        tokens = torch.tensor([seq.req.prompt_ids], device=self.cache.k.device)
-        logits = ragged_forward(self.model, tokens, torch.arange(n, device=tokens.device).view(1, n),
-                                torch.tensor([seq.slot], device=tokens.device), self.cache)
-        seq.position = n
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Every admitted prompt in one forward, right-padded to the longest.
+
+        Padding writes keys at positions past a prompt's end; decode steps overwrite them
+        before anything may see them (a query sees only positions up to its own).
+        """
+        device = self.cache.k.device
+        lengths = [len(s.req.prompt_ids) for s in seqs]
+        t = max(lengths)
+        tokens = torch.tensor([s.req.prompt_ids + [0] * (t - n) for s, n in zip(seqs, lengths)], device=device)
+        positions = torch.arange(t, device=device).expand(len(seqs), t)
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        last = torch.tensor([n - 1 for n in lengths], device=device)
+        logits = ragged_forward(self.model, tokens, positions, slots, self.cache, last)
         now = time.perf_counter()
-        self.metrics.ttft(now - seq.req.arrived)
-        self._last_token_at[id(seq)] = now
-        self._sample([seq], logits)
+        for s, n in zip(seqs, lengths):
+            s.position = n
+            self.metrics.ttft(now - s.req.arrived)
+            self._last_token_at[id(s)] = now
+        self._sample(seqs, logits)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         device = self.cache.k.device
@@ -193,27 +216,31 @@ class Engine:
         self._sample(seqs, logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        picks: dict[int, int] = {}
+        picks = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.req.params.temperature <= 0]
-        if greedy:
-            # One argmax over all greedy rows.
-            picks.update(zip(greedy, logits[greedy].float().argmax(-1).tolist()))
-        plain = [i for i, s in enumerate(seqs) if i not in picks and s.req.params.top_k == 0
-                 and s.req.params.top_p >= 1.0]
-        if plain:
-            # Temperature-only rows share one softmax; each row still draws from its own generator,
-            # so a seeded request samples the same tokens whoever else is in the batch.
-            temps = torch.tensor([seqs[i].req.params.temperature for i in plain], device=logits.device)
-            probs = torch.softmax(logits[plain].float() / temps.unsqueeze(1), dim=-1)
-            for row, i in enumerate(plain):
-                picks[i] = int(torch.multinomial(probs[row], 1, generator=seqs[i].generator))
-        for i, s in enumerate(seqs):
-            if i not in picks:  # top-k / top-p rows take the full sampler
-                picks[i] = int(sample_next(logits[i:i + 1], s.req.params, s.generator).item())
+        drawn = [i for i, s in enumerate(seqs) if s.req.params.temperature > 0]
+        if greedy:  # one argmax over all greedy rows
+            for i, tok in zip(greedy, logits[greedy].float().argmax(-1).tolist()):
+                picks[i] = tok
+        if drawn:
+            temps = torch.tensor([seqs[i].req.params.temperature for i in drawn], device=logits.device)
+            probs = torch.softmax(logits[drawn].float() / temps.unsqueeze(1), dim=-1)
+            for row, i in enumerate(drawn):
+                params = seqs[i].req.params
+                if params.top_k > 0 or params.top_p < 1.0:  # per-row filters (their params differ)
+                    probs[row] = filtered(probs[row], params.top_k, params.top_p)
+            # Inverse-CDF sampling, all rows at once: each row's uniform draw comes from its own
+            # request's generator, so a seeded request samples the same tokens whoever else is in
+            # the batch (and costs no per-row torch call).
+            cdf = probs.cumsum(-1)
+            u = torch.tensor([seqs[i].rng.random() for i in drawn], device=cdf.device).unsqueeze(1) * cdf[:, -1:]
+            tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+            for i, tok in zip(drawn, tokens.tolist()):
+                picks[i] = tok
         self.metrics.tokens(len(seqs))
-        for i, s in enumerate(seqs):
+        for s, tok in zip(seqs, picks):
             s.pending = None
-            s.accept(picks[i])
+            s.accept(tok)
             if s.finished:
                 self._finish(s, s.finished)
             else:

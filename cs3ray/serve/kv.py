@@ -76,14 +76,21 @@ class SlotCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         heapq.heappush(self._free, src)
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v of shape (batch, kv_heads, seq, head_dim) at each row's slot and positions (batch, seq)."""
-        b, _, t, _ = k.shape
-        rows = slots.view(b, 1).expand(b, t)
-        # Advanced indexing on (slot, position) puts those dims first: (batch, seq, heads, head_dim).
-        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+    def index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row numbers, in a layer's (slot, head, position) rows, of each row's positions:
+        (batch * kv_heads * seq,), in the order of k.reshape(-1, head_dim) for k (batch, kv_heads, seq, head_dim).
+
+        Computed once per forward, it turns every layer's cache write into one index_copy_.
+        """
+        _, _, heads, length, _ = self.k.shape
+        heads_ = torch.arange(heads, device=slots.device).view(1, heads, 1)
+        return ((slots.view(-1, 1, 1) * heads + heads_) * length + positions.unsqueeze(1)).reshape(-1)
+
+    def write(self, layer: int, where: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v of shape (batch, kv_heads, seq, head_dim) at the rows `where` (see index)."""
+        d = k.shape[-1]
+        self.k[layer].view(-1, d).index_copy_(0, where, k.reshape(-1, d).to(self.k.dtype))
+        self.v[layer].view(-1, d).index_copy_(0, where, v.reshape(-1, d).to(self.v.dtype))
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given slots up to `length` positions: (batch, kv_heads, length, head_dim)."""

@@ -37,3 +37,20 @@ class EventPump:
             batch, self._outbox, self._wake_pending = self._outbox, [], False
         for deliver, ev in batch:
             deliver(ev)
+
+
+class Pacer:
+    """How often each stream of a replica may send a chunk: at most every `floor_s`, and under
+    load less often, so that all streams together send at most `events_per_s` chunks.
+
+    Every chunk costs the replica and Serve's proxy the same fixed work (a Ray message each
+    way, whatever its size), far more than a decode step's share of one token. Tokens decoded
+    in between go out together in the next chunk, as OpenAI streams allow.
+    """
+
+    def __init__(self, floor_s: float, events_per_s: float) -> None:
+        self.floor_s, self.events_per_s = floor_s, events_per_s
+        self.active = 0  # streams being paced right now
+
+    def interval(self) -> float:
+        return max(self.floor_s, self.active / self.events_per_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,8 +46,8 @@ class Sequence:
         self.position = 0  # next position to write in the cache
         self.generated = 0
         self.pending: int | None = None  # sampled token not yet fed back through the model
-        self.generator = (torch.Generator().manual_seed(req.params.seed)
-                          if req.params.seed is not None else None)
+        # The request's own random stream (seeded: the same tokens whoever shares the batch).
+        self.rng = random.Random(req.params.seed)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""
         self._sent = 0

@@ -27,6 +27,9 @@ class ServeSpec:
     # Extra keys of Serve's autoscaling_config (upscale_delay_s, downscale_delay_s, look_back_period_s...)
     # on top of min/max/target from the serve section; used only when autoscaling is on.
     autoscaling_options: dict = field(default_factory=dict)
+    # Streamed chunks per second a replica sends in all (see pump.Pacer): under load each
+    # stream's chunks come further apart than serve.stream_interval_ms and carry more tokens.
+    stream_events_per_s: float = 500.0
 
     def engine_options(self) -> EngineOptions:
         s = self.serve
