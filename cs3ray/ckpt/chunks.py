@@ -159,11 +159,15 @@ class ChunkWriter(StorageWriter):
 
 
 class ChunkReader(StorageReader):
-    """DCP reader over chunks: `metadata()` gives verified `.metadata` bytes, `fetch(h)` verified chunks."""
+    """DCP reader over chunks: `metadata()` gives verified `.metadata` bytes, `fetch(h)` verified chunks.
 
-    def __init__(self, metadata: Callable[[], bytes], fetch: Callable[[str], Any]) -> None:
+    `prefetch(hashes)`, when given, is told every chunk this rank's plan reads before the first fetch.
+    """
+
+    def __init__(self, metadata: Callable[[], bytes], fetch: Callable[[str], Any],
+                 prefetch: Callable[[list[str]], None] | None = None) -> None:
         super().__init__()
-        self._metadata, self.fetch = metadata, fetch
+        self._metadata, self.fetch, self.prefetch = metadata, fetch, prefetch
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -188,6 +192,8 @@ class ChunkReader(StorageReader):
         by_chunk: dict[str, list] = {}
         for req in plan.items:
             by_chunk.setdefault(self.storage_data[req.storage_index]["chunk"], []).append(req)
+        if self.prefetch is not None:
+            self.prefetch(list(by_chunk))
         for h, reqs in by_chunk.items():
             blob = self.fetch(h)  # each chunk is fetched (and hash-checked) once
             for req in reqs:

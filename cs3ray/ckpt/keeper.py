@@ -169,8 +169,11 @@ class MemoryTier:
         self._seen, self._files = out, {}
         return out
 
-    def _known(self) -> list[tuple[str, Any, dict]]:
-        return self._seen if self._seen is not None else self._indexes()
+    def _known(self, step: int) -> list[tuple[str, Any, dict]]:
+        """The indexes of the last `steps()`, asked again when they do not know `step`."""
+        if self._seen is None or not any(step in index for _, _, index in self._seen):
+            return self._indexes()
+        return self._seen
 
     def steps(self) -> dict[int, dict]:
         """step -> manifest of snapshots whose every chunk and file some alive keeper holds."""
@@ -191,7 +194,7 @@ class MemoryTier:
         import ray
 
         if name not in self._files.get(step, {}):
-            for _, k, index in self._known():
+            for _, k, index in self._known(step):
                 if name in index.get(step, {}).get("files", []):
                     self._files[step] = ray.get(k.files.remote(self.run, step))
                     break
@@ -199,59 +202,63 @@ class MemoryTier:
             raise CheckpointError(f"memory snapshot {step} of '{self.run}' has no '{name}'.")
         return self._files[step][name]
 
-    def fetcher(self, step: int, sizes: dict[str, int]):
-        """fetch(h) -> chunk bytes of the right size from the keepers.
-
-        Each chunk comes from a keeper holding it as its own node's copy when one is alive (this
-        node's first), else from a peer copy (then `peer_used`). The first call fetches every
-        chunk in one batch; a chunk whose copy fails is tried at its other holders.
-        """
-        import ray
-
+    def fetcher(self, step: int, sizes: dict[str, int]) -> "Fetcher":
+        """Reads chunks of snapshot `step` from the keepers (see Fetcher); resets `peer_used`."""
         self.peer_used = False
         where: dict[str, list[tuple[bool, str, Any]]] = {}
-        for n, k, index in self._known():
+        for n, k, index in self._known(step):
             entry = index.get(step, {})
             own = set(entry.get("own", entry.get("chunks", [])))
             for h in entry.get("chunks", []):
                 where.setdefault(h, []).append((h in own, n, k))
         for holders in where.values():
             holders.sort(key=lambda c: (not c[0], c[1] != self.node_id))
-        got: dict[str, Any] | None = None   # the batch: every chunk from its first holder
+        return Fetcher(self, step, sizes, where)
 
-        def batch() -> dict[str, Any]:
-            by_keeper: dict[str, tuple[Any, list[str]]] = {}
-            for h, holders in where.items():
-                _, n, k = holders[0]
+
+class Fetcher:
+    """fetch(h) -> chunk bytes of the right size from the keepers.
+
+    Each chunk comes from a keeper holding it as its own node's copy when one is alive (this
+    node's first), else from a peer copy (then the tier's `peer_used`). `prefetch` gets the
+    chunks a rank will read in one batch (one reference lookup per keeper, one `ray.get`); a
+    chunk whose copy fails is tried at its other holders.
+    """
+
+    def __init__(self, tier: MemoryTier, step: int, sizes: dict[str, int],
+                 where: dict[str, list[tuple[bool, str, Any]]]) -> None:
+        self.tier, self.step, self.sizes, self.where = tier, step, sizes, where
+        self.got: dict[str, Any] = {}
+
+    def prefetch(self, hashes: list[str]) -> None:
+        import ray
+
+        by_keeper: dict[str, tuple[Any, list[str]]] = {}
+        for h in hashes:
+            if self.where.get(h):
+                _, n, k = self.where[h][0]
                 by_keeper.setdefault(n, (k, []))[1].append(h)
+        try:
+            refs = {h: r[0] for answer in ray.get([k.refs.remote(hs) for k, hs in by_keeper.values()])
+                    for h, r in answer.items()}
+            self.got.update(zip(refs, ray.get(list(refs.values()))))
+        except Exception as exc:  # noqa: BLE001 - some copy is gone: chunk by chunk from here on
+            log.warning("memory snapshot %d: batched read failed (%s); reading chunk by chunk", self.step, exc)
+
+    def __call__(self, h: str) -> Any:
+        import ray
+
+        blob = self.got.pop(h, None)
+        if blob is not None and len(blob) == self.sizes.get(h):
+            self.tier.peer_used |= not self.where[h][0][0]
+            return blob
+        for own, n, k in self.where.get(h, []):
             try:
-                refs = {h: r[0] for answer in ray.get([k.refs.remote(hs) for k, hs in by_keeper.values()])
-                        for h, r in answer.items()}
-                return dict(zip(refs, ray.get(list(refs.values()))))
-            except Exception as exc:  # noqa: BLE001 - some copy is gone: chunk by chunk from here on
-                log.warning("memory snapshot %d: batched read failed (%s); reading chunk by chunk", step, exc)
-                return {}
-
-        def one(h: str) -> Any:
-            for own, n, k in where.get(h, []):
-                try:
-                    blob = ray.get(ray.get(k.refs.remote([h]))[h][0])
-                except Exception as exc:  # noqa: BLE001 - try the copy on the other node
-                    log.warning("chunk %s from keeper %s failed: %s", h[:12], n[:8], exc)
-                    continue
-                if len(blob) == sizes.get(h):
-                    self.peer_used |= not own
-                    return blob
-            raise CheckpointError(f"memory snapshot {step}: chunk {h[:12]} is not held intact by any keeper.")
-
-        def fetch(h: str) -> Any:
-            nonlocal got
-            if got is None:
-                got = batch()
-            blob = got.pop(h, None)
-            if blob is not None and len(blob) == sizes.get(h):
-                self.peer_used |= not where[h][0][0]
+                blob = ray.get(ray.get(k.refs.remote([h]))[h][0])
+            except Exception as exc:  # noqa: BLE001 - try the copy on the other node
+                log.warning("chunk %s from keeper %s failed: %s", h[:12], n[:8], exc)
+                continue
+            if len(blob) == self.sizes.get(h):
+                self.tier.peer_used |= not own
                 return blob
-            return one(h)
-
-        return fetch
+        raise CheckpointError(f"memory snapshot {self.step}: chunk {h[:12]} is not held intact by any keeper.")

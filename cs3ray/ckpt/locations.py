@@ -138,7 +138,8 @@ class MemoryLocation:
         return checked(self.tier.file(step, name), manifest, name, self.url)
 
     def reader(self, step: int, manifest: dict):
-        return ChunkReader(lambda: self.read(step, METADATA, manifest), self.tier.fetcher(step, manifest["chunks"]))
+        fetch = self.tier.fetcher(step, manifest["chunks"])
+        return ChunkReader(lambda: self.read(step, METADATA, manifest), fetch, fetch.prefetch)
 
 
 def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: dict) -> None:

@@ -28,6 +28,8 @@ def two_nodes():
     node_b = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     yield cluster, cluster.head_node, node_b
+    for node in [*cluster.worker_nodes, cluster.head_node]:  # SIGKILL: graceful stops take ~30 s here
+        cluster.remove_node(node, allow_graceful=False)
     cluster.shutdown()
 
 
@@ -51,7 +53,7 @@ def test_restore_from_the_peer_copy_after_the_node_holding_the_primary_is_lost(t
     saved = _scenario("save", cluster, run, node_b)
     assert saved["node"] == node_b.node_id and set(saved["keepers"]) == {node_a.node_id, node_b.node_id}
 
-    cluster.remove_node(node_b)  # the primary copy (B's keeper) goes with its node
+    cluster.remove_node(node_b)  # node B is lost, and the primary copy with its keeper
     deadline = time.time() + 60
     while node_b.node_id in _alive(cluster) and time.time() < deadline:
         time.sleep(0.5)
