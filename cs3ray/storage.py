@@ -76,12 +76,12 @@ def _bounded(fn: Callable[[], T], timeout: float) -> T:
 def retry(fn: Callable[[], T], deadline_s: float,
           permanent: tuple[type[BaseException], ...] | Callable[[BaseException], bool] = is_permanent,
           on_retry: Callable[[BaseException], None] | None = None,
-          base_s: float = 0.1, max_sleep_s: float = 2.0) -> T:
+          base_s: float = 0.1, max_sleep_s: float = 2.0, bounded: bool = True) -> T:
     """`fn()`, retried with jittered exponential backoff until `deadline_s` has passed.
 
-    Each attempt is bounded by what is left of the deadline. Errors that `permanent` matches
-    (exception types, or a predicate) are raised at once; the last transient one rides on
-    DeadlineExceeded.
+    With `bounded`, each attempt runs in a helper thread and is abandoned when it outlives the
+    deadline (a hung request). Errors that `permanent` matches (exception types, or a predicate)
+    are raised at once; the last transient one rides on DeadlineExceeded.
     """
     perm = permanent if callable(permanent) else (lambda exc: isinstance(exc, permanent))
     start = time.monotonic()
@@ -92,7 +92,7 @@ def retry(fn: Callable[[], T], deadline_s: float,
             raise DeadlineExceeded(last, attempt, time.monotonic() - start)
         attempt += 1
         try:
-            return _bounded(fn, left)
+            return _bounded(fn, left) if bounded else fn()
         except Exception as exc:  # noqa: BLE001 - storage clients raise many types; transient ones are retried
             if perm(exc):
                 raise
@@ -220,7 +220,9 @@ class Storage:
             log.warning("retrying %s of '%s' after: %s", action, where, short_error(exc))
 
         try:
-            return retry(fn, self.retry_deadline_s, on_retry=note)
+            # Local files are read and written in the calling thread (at its priority); only
+            # network requests, which can hang, get a helper thread bounded by the deadline.
+            return retry(fn, self.retry_deadline_s, on_retry=note, bounded=is_remote(self.url))
         except FileNotFoundError:
             raise StorageError(f"'{where}' does not exist.") from None
         except PermissionError as exc:

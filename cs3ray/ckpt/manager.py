@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, o
 from .chunks import ChunkStore, ChunkWriter
 from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
 from .manifest import CheckpointError, write_manifest
-from .staging import Stager, lower_priority
+from .staging import Stager, Writer
 
 log = logging.getLogger(__name__)
 # Loading or saving in one process (inference, export, tests) is intended, not a mistake.
@@ -128,8 +128,7 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._staged = threading.Event()
         self._staged.set()
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="ckpt", initializer=lower_priority)
-                      if async_mode == "async" else None)
+        self._pool = Writer() if async_mode == "async" else None
         self._stager = Stager()
         # Background saves talk over their own gloo group, never the training group's stream.
         self._group = dist.new_group(backend="gloo") if self._pool and dist.is_initialized() else None
@@ -178,7 +177,8 @@ class CheckpointManager:
         """Block until the save in flight (if any) is committed; re-raise its error."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            with self._pool.urgent():  # training waits for it now: full priority
+                pending.result()
 
     def _write(self, step: int, state: dict, meta: dict, rank_file: bytes, files: dict[str, str]) -> None:
         group, rank = self._group, _rank()
@@ -308,4 +308,4 @@ class CheckpointManager:
             self.wait()
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown()

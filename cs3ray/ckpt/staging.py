@@ -4,7 +4,8 @@ torchtitan-style: only the copy of the tensors blocks training. It lands in host
 are kept from one save to the next (pinned when the tensors are on a GPU), so a save costs one
 memcpy instead of fresh allocations and page faults. The hashing and writing that follow run in
 a background thread at the lowest CPU priority, so on a machine whose cores training keeps busy
-they take the cycles training leaves idle instead of slowing its steps.
+they take the cycles training leaves idle instead of slowing its steps; when training has to
+wait for a write (the next save comes first), the thread gets training's priority back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -59,11 +62,67 @@ class Stager:
         return tree_unflatten(out, spec)
 
 
-def lower_priority() -> None:
-    """Give the calling thread the lowest CPU priority (Linux: nice is per thread); elsewhere a no-op."""
+LOW_PRIORITY = 19  # nice value of the writer thread while training runs
+
+
+def _nice(tid: int, value: int | None = None) -> int | None:
+    """Get (or set) one thread's nice value; None where that is not possible.
+
+    Linux keeps nice per thread; elsewhere setpriority(PRIO_PROCESS, tid) would not mean this
+    thread, so nothing is changed there.
+    """
     if not sys.platform.startswith("linux"):
-        return  # elsewhere setpriority(PRIO_PROCESS, tid) would not mean this thread
+        return None
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        if value is not None:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError as exc:
-        log.debug("could not lower the checkpoint thread's priority: %s", exc)
+        log.debug("nice of thread %d: %s", tid, exc)
+        return None
+
+
+def _may_raise_back(base: int) -> bool:
+    """Whether this process may lift a thread from LOW_PRIORITY back to nice `base`."""
+    import resource
+
+    return os.geteuid() == 0 or 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] <= base
+
+
+class Writer:
+    """The one background thread that writes async checkpoints.
+
+    It runs at the lowest priority while training runs, and at the caller's priority while the
+    caller waits for it (`urgent`), so a write that training must wait for is not starved by
+    other processes. Where the process may not raise a priority again, it keeps the caller's.
+    """
+
+    def __init__(self) -> None:
+        self._tid: int | None = None
+        base = _nice(threading.get_native_id())
+        self._low = base is not None and _may_raise_back(base)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt", initializer=self._start)
+
+    def _start(self) -> None:
+        self._tid = threading.get_native_id()
+        if self._low:
+            _nice(self._tid, LOW_PRIORITY)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    @contextmanager
+    def urgent(self) -> Iterator[None]:
+        """While the block runs, the writer runs at the calling thread's priority."""
+        tid = self._tid
+        if not self._low or tid is None:
+            yield
+            return
+        _nice(tid, _nice(threading.get_native_id()))
+        try:
+            yield
+        finally:
+            _nice(tid, LOW_PRIORITY)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
