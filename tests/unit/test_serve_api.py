@@ -83,3 +83,13 @@ def test_bearer_auth():
         with pytest.raises(APIError) as info:
             check_bearer("tok", header)
         assert info.value.status == 401 and info.value.body()["error"]["code"] == "invalid_api_key"
+
+
+def test_stream_pacing_stretches_under_load():
+    from cs3ray.serve.pump import Pacer
+
+    pacer = Pacer(floor_s=0.01, events_per_s=500)
+    pacer.active = 2
+    assert pacer.interval() == 0.01  # light load: the configured stream interval
+    pacer.active = 20
+    assert pacer.interval() == pytest.approx(0.04)  # 20 streams share 500 chunks/s
