@@ -8,19 +8,17 @@ stay idle. Only the scheduling differs from continuous batching.
 
 # No `from __future__ import annotations`: FastAPI must see the real Request class (see app.py).
 import asyncio
-import threading
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from cs3ray.ckpt import load_for_inference
-from cs3ray.serve.app import tune_replica_process, read_json, sse
-from cs3ray.serve.engine import Engine, EngineOptions
-from cs3ray.serve.pump import EventPump, Pacer
+from cs3ray.serve.app import load_replica, read_json, sse, start_engine, tune_replica_process
+from cs3ray.serve.engine import Engine
+from cs3ray.serve.pump import EventPump
 from cs3ray.serve.schemas import APIError, CompletionRequest, completion_body, new_id, parse, prompt_ids, usage
 from cs3ray.serve.sequence import Event, GenRequest
 from cs3ray.serve.spec import ServeSpec
@@ -42,12 +40,13 @@ class RequestBatchServer:
 
     def __init__(self, spec: ServeSpec) -> None:
         self.spec = spec
-        torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
-        loaded = load_for_inference(spec.run, spec.storage_options, dtype=spec.dtype("cpu"))
+        loaded = load_replica(spec, "cpu")
         self.tokenizer, self.context = loaded.tokenizer, loaded.model.args.max_seq_len
-        self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, EngineOptions(max_batch=MAX_BATCH_SIZE, threads=max(1, int(spec.serve.num_cpus))))
-        threading.Thread(target=self.engine.loop, daemon=True).start()
-        self.pacer = Pacer(spec.serve.stream_interval_ms / 1e3, spec.stream_events_per_s)
+        # cs3ray's engine options, but Serve's batch size (the engine never holds more than it hands over).
+        options = dataclasses.replace(spec.engine_options(), max_batch=MAX_BATCH_SIZE)
+        self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, options)
+        start_engine(self.engine)
+        self.pacer = spec.pacer()
         tune_replica_process()  # as cs3ray's server does
 
     @batch_api.get("/healthz")

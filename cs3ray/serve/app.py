@@ -28,7 +28,7 @@ from .auth import check_bearer
 from .engine import Engine, QueueFull
 from .follow import Follower
 from .metrics import RayMetrics
-from .pump import EventPump, Pacer
+from .pump import EventPump
 from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body, chat_prompt, completion_body,
                       new_id, parse, prompt_ids, usage)
 from .sequence import Event, GenRequest
@@ -88,6 +88,21 @@ def tune_replica_process() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
+def load_replica(spec: ServeSpec, device: str):
+    """A replica's first steps: torch's threads from its CPU share, then the checkpoint on `device`."""
+    torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
+    loaded = load_for_inference(spec.run, spec.storage_options, dtype=spec.dtype(device))
+    loaded.model.to(device)
+    return loaded
+
+
+def start_engine(engine: Engine) -> threading.Thread:
+    """Run the engine's loop in a daemon thread (the replica's event loop only queues and streams)."""
+    thread = threading.Thread(target=engine.loop, name="cs3-engine", daemon=True)
+    thread.start()
+    return thread
+
+
 def sse(body: dict) -> str:
     """One server-sent event carrying a JSON body."""
     return f"data: {json.dumps(body)}\n\n"
@@ -100,21 +115,18 @@ class LLMServer:
 
     def __init__(self, spec: ServeSpec) -> None:
         self.spec = spec
-        torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
         device = "cuda" if spec.serve.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.dtype = spec.dtype(device)
-        loaded = load_for_inference(spec.run, spec.storage_options, dtype=self.dtype)
-        loaded.model.to(device)
+        loaded = load_replica(spec, device)
         self.tokenizer = loaded.tokenizer
         self.context = loaded.model.args.max_seq_len
         self.fingerprint = f"step-{loaded.step}"
         self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics())
-        self._thread = threading.Thread(target=self.engine.loop, name="cs3-engine", daemon=True)
-        self._thread.start()
+        self._thread = start_engine(self.engine)
         self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
         self.created = int(time.time())
         self._pump: EventPump | None = None
-        self.pacer = Pacer(spec.serve.stream_interval_ms / 1e3, spec.stream_events_per_s)
+        self.pacer = spec.pacer()
         tune_replica_process()
 
 

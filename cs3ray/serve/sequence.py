@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from cs3ray.models.generate import SamplingParams
 
 

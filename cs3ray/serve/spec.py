@@ -10,6 +10,7 @@ from cs3ray.config.schema import ServeConfig
 from cs3ray.core.precision import DTYPES, resolve_precision
 
 from .engine import EngineOptions
+from .pump import Pacer
 
 
 
@@ -35,6 +36,10 @@ class ServeSpec:
         s = self.serve
         return EngineOptions(max_batch=s.max_batch, kv_cache_mb=s.kv_cache_mb,
                              max_prefill_tokens=s.max_prefill_tokens, threads=max(1, int(s.num_cpus)))
+
+    def pacer(self) -> Pacer:
+        """A replica's stream pacing: serve.stream_interval_ms, stretched past stream_events_per_s."""
+        return Pacer(self.serve.stream_interval_ms / 1e3, self.stream_events_per_s)
 
     def dtype(self, device: str) -> torch.dtype:
         """The inference dtype; fp16 is GPU-only (CPU fp16 kernels are slow and partly missing)."""

@@ -249,14 +249,18 @@ def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
     job = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout).group(0)
     base = f"http://127.0.0.1:{http_port}"
     try:
-        deadline, out = time.time() + 120, None
+        deadline, out = time.time() + 180, None  # a job starts a driver and a replica: slow on a busy machine
         while time.time() < deadline:
             try:
                 out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
                 break
             except (openai.APIError, OSError):
                 time.sleep(1)
-        assert out is not None and out.system_fingerprint == "step-4"
+        if out is None:
+            logs = subprocess.run(["ray", "job", "logs", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
+                                  capture_output=True, text=True, timeout=60)
+            raise AssertionError(f"the job's app never answered; job log:\n{logs.stdout[-3000:]}")
+        assert out.system_fingerprint == "step-4"
     finally:
         subprocess.run(["ray", "job", "stop", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
                        capture_output=True, timeout=120)
