@@ -93,9 +93,11 @@ def run(config: str = "configs/small.yaml", quick: bool = False, log: Callable[[
     try:
         # (1) Step time with no checkpoints vs a checkpoint every K steps, sync and async. One
         # interval is K steps, after a save (sync, async) or not (none); an async interval ends
-        # by waiting for its write, so it carries the save's whole cost. The modes take turns
-        # interval by interval and each keeps its fastest, so bursts of other load on a shared
-        # machine hit every mode alike instead of whichever ran at the time.
+        # by waiting for its write, so it carries the save's whole cost. The modes take turns,
+        # none-sync-async, round after round, with a last none: each round's sync and async
+        # intervals are compared with the mean of the none intervals on either side, and the
+        # median over rounds is reported, so load from other work on a shared machine (it comes
+        # and goes within minutes) is the same for the intervals compared.
         tr = _Trainer(cfg)
         tr.step()  # warm-up
         step_s = min(_timed(tr.step) for _ in range(3))
@@ -109,31 +111,38 @@ def run(config: str = "configs/small.yaml", quick: bool = False, log: Callable[[
         managers["async"].wait()
         k = max(1, int(save_s / (0.25 * step_s)))  # sync then costs >= 20% of step time (about 25%)
         say(f"step {step_s:.3f}s, sync save {save_s:.3f}s -> checkpoint every {k} steps")
+        rounds = 2 if quick else 5
         times: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
         blocking: list[float] = []  # what each async save() call blocked training for
-        for _ in range(2 if quick else 5):
-            for mode, took in times.items():
-                mgr = managers.get(mode)
 
-                def interval() -> None:
-                    if mgr is not None:
-                        t = _timed(lambda: tr.save(mgr))
-                        if mgr.async_mode == "async":
-                            blocking.append(t)
-                    for _ in range(k):
-                        tr.step(mgr)
-                    if mgr is not None:
-                        mgr.wait()  # the async write must be finished inside the timed window
-                took.append(_timed(interval))
+        def interval(mgr: CheckpointManager | None) -> float:
+            t0 = time.perf_counter()
+            if mgr is not None:
+                t = _timed(lambda: tr.save(mgr))
+                if mgr.async_mode == "async":
+                    blocking.append(t)
+            for _ in range(k):
+                tr.step(mgr)
+            if mgr is not None:
+                mgr.wait()  # the async write must be finished inside the timed window
+            return time.perf_counter() - t0
+
+        for r in range(rounds + 1):
+            times["none"].append(interval(None))
+            if r == rounds:
+                break
+            for mode in ("sync", "async"):
+                times[mode].append(interval(managers[mode]))
             say("  ".join(f"{m}: {t[-1] / k:.3f}s/step" for m, t in times.items()))
         for mgr in managers.values():
             mgr.close()
-        best = {m: min(t) for m, t in times.items()}
-        out.update(interval_steps=k, step_s=step_s, save_s=save_s, intervals=len(times["none"]),
-                   sync_overhead_pct=100 * (best["sync"] - best["none"]) / best["none"],
-                   async_overhead_pct=100 * (best["async"] - best["none"]) / best["none"],
-                   async_blocking_s=float(np.median(blocking)), step_s_by_mode={m: t / k for m, t in best.items()},
-                   interval_s_median={m: float(np.median(t)) for m, t in times.items()})
+        none = times["none"]
+        overhead = {m: float(np.median([100 * (t / ((none[i] + none[i + 1]) / 2) - 1) for i, t in enumerate(ts)]))
+                    for m, ts in times.items() if m != "none"}
+        out.update(interval_steps=k, step_s=step_s, save_s=save_s, rounds=rounds,
+                   sync_overhead_pct=overhead["sync"], async_overhead_pct=overhead["async"],
+                   async_blocking_s=float(np.median(blocking)),
+                   interval_s={m: [round(t, 3) for t in ts] for m, ts in times.items()})
 
         # (2) fine-tune with embeddings and all blocks but the last frozen: second checkpoint's new bytes.
         pre = CheckpointManager(f"{work}/pre", keep=1)
