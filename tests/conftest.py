@@ -16,6 +16,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # the first head starts). Ray reads this when it is imported, so it is set before any test
 # module imports ray, also on a fresh machine where the token file does not exist yet.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# `ray start` refuses to start with token auth on and no token yet (a fresh machine, a CI
+# runner): make the local development token first, as Ray's docs say.
+if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN")
+        and not (Path.home() / ".ray" / "auth_token").exists()):
+    subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True)
 
 from cluster_harness import HeadNode, start_head  # noqa: E402
 
