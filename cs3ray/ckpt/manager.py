@@ -138,7 +138,7 @@ class CheckpointManager:
         """The manager a job config asks for (checkpoint and storage sections)."""
         c = cfg.checkpoint
         return cls(run_url, cfg.storage.options, c.keep, async_mode=c.async_mode, replicas=list(c.replicas),
-                   memory_tier=c.memory_tier, incremental=c.incremental)
+                   memory_tier=c.memory_tier, incremental=c.incremental, retry_deadline_s=c.retry_deadline_s)
 
     def steps(self) -> list[int]:
         return list_steps(self.run)

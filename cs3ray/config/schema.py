@@ -107,6 +107,8 @@ class CheckpointConfig(Section):
     replicas: list[str] = Field(default_factory=list, description="URLs that get a copy of every checkpoint (restored from when the primary fails).")
     memory_tier: bool = Field(True, description="Keep the newest snapshot in the Ray object store (this node's keeper and one other node's).")
     incremental: bool = Field(True, description="Store tensors as content-addressed chunks and reference the unchanged ones instead of rewriting them.")
+    retry_deadline_s: float = Field(
+        60.0, gt=0, description="Keep retrying a checkpoint read or upload that fails transiently (or hangs) for this long, then fail.")
 
 
 class ElasticWorkers(Section):

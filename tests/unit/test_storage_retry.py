@@ -16,6 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager
 from cs3ray.ckpt.chunks import ChunkStore
+from cs3ray.config import build_config
 from cs3ray.storage import StorageError, open_url
 
 
@@ -105,6 +106,17 @@ def test_giving_up_is_one_clear_sentence_and_a_hung_call_cannot_outlive_the_dead
     t0 = time.monotonic()
     with pytest.raises(StorageError, match="no answer within"):
         st.read_bytes("a.bin")
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_the_checkpoint_section_sets_the_retry_deadline(flaky):
+    cfg = build_config({"checkpoint": {"retry_deadline_s": 0.6}})
+    mgr = CheckpointManager.from_config(flaky, cfg)
+    assert mgr.run.retry_deadline_s == 0.6
+    FlakyFS.plan = [ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")] * 100
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="within 0.6s"):
+        mgr.run.read_bytes("missing.bin")
     assert time.monotonic() - t0 < 1.5
 
 
