@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from cs3ray.serve.app import load_replica, read_json, sse, start_engine, tune_replica_process
-from cs3ray.serve.engine import Engine
 from cs3ray.serve.pump import EventPump
 from cs3ray.serve.schemas import APIError, CompletionRequest, completion_body, new_id, parse, prompt_ids, usage
 from cs3ray.serve.sequence import Event, GenRequest
@@ -44,8 +43,7 @@ class RequestBatchServer:
         self.tokenizer, self.context = loaded.tokenizer, loaded.model.args.max_seq_len
         # cs3ray's engine options, but Serve's batch size (the engine never holds more than it hands over).
         options = dataclasses.replace(spec.engine_options(), max_batch=MAX_BATCH_SIZE)
-        self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, options)
-        start_engine(self.engine)
+        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, options)
         self.pacer = spec.pacer()
         tune_replica_process()  # as cs3ray's server does
 

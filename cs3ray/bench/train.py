@@ -30,7 +30,7 @@ from .peak import measure_peak
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
 # The default run's whole budget: 10 minutes, less what start-up, peaks and workers' start cost.
-BUDGET_S = 420.0
+BUDGET_S = 300.0
 MODES = 1 + 1 + len(STRATEGIES)  # the peer, 1 worker, 2 workers per strategy
 
 

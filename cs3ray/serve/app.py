@@ -12,7 +12,6 @@ import gc
 import json
 import logging
 import sys
-import threading
 import time
 from typing import Any, AsyncIterator
 
@@ -25,7 +24,8 @@ from ray import serve
 from cs3ray.ckpt import load_for_inference
 
 from .auth import check_bearer
-from .engine import Engine, QueueFull
+from .engine import EngineOptions, Metrics, QueueFull
+from .engine_process import EngineProcess
 from .follow import Follower
 from .metrics import RayMetrics
 from .pump import EventPump
@@ -74,14 +74,13 @@ async def read_json(request: Request) -> Any:
 
 
 def tune_replica_process() -> None:
-    """Process-wide settings for a replica whose engine thread runs beside Serve's asyncio threads.
+    """Process-wide settings for a replica whose engine events arrive on a reader thread.
 
     The heap loaded so far (Ray, torch, the model) is frozen out of the garbage collector's
     scans: a full collection walks every live object, millions in a replica, and stalls every
     stream; frozen, it only walks what requests allocated. And the GIL switch interval is cut
-    from 5 ms: the engine thread gives the GIL up inside every torch op and must win it back
-    after each one, and while the asyncio threads are busy streaming, each win could wait the
-    full interval, hundreds of times per decode step.
+    from 5 ms, so the thread that hands each engine step's events to the streams is not kept
+    waiting a whole interval while Serve's asyncio threads are busy sending chunks.
     """
     gc.collect()
     gc.freeze()
@@ -96,11 +95,10 @@ def load_replica(spec: ServeSpec, device: str):
     return loaded
 
 
-def start_engine(engine: Engine) -> threading.Thread:
-    """Run the engine's loop in a daemon thread (the replica's event loop only queues and streams)."""
-    thread = threading.Thread(target=engine.loop, name="cs3-engine", daemon=True)
-    thread.start()
-    return thread
+def start_engine(model: torch.nn.Module, eos_id: int, options: EngineOptions,
+                 metrics: Metrics | None = None) -> EngineProcess:
+    """The replica's engine, in a process of its own (see engine_process: no GIL shared with Serve)."""
+    return EngineProcess(model, eos_id, options, metrics)
 
 
 def sse(body: dict) -> str:
@@ -121,9 +119,9 @@ class LLMServer:
         self.tokenizer = loaded.tokenizer
         self.context = loaded.model.args.max_seq_len
         self.fingerprint = f"step-{loaded.step}"
-        self.engine = Engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics())
-        self._thread = start_engine(self.engine)
+        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics())
         self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
+        del loaded  # the engine process has its own copy of the weights
         self.created = int(time.time())
         self._pump: EventPump | None = None
         self.pacer = spec.pacer()
@@ -142,12 +140,12 @@ class LLMServer:
     # --- routes ----------------------------------------------------------------------------
     @api.get("/healthz")
     async def healthz(self) -> dict:
-        alive = self._thread.is_alive()
-        if not alive:
-            raise APIError(503, "the engine thread has stopped", "server_error")
-        return {"status": "ok", "checkpoint": self.fingerprint, "running": len(self.engine.running),
-                "waiting": len(self.engine.waiting), "steps": self.engine.steps,
-                "busy_s": round(self.engine.busy_s, 3), "cpu_s": round(self.engine.cpu_s, 3)}
+        if not self.engine.alive():
+            raise APIError(503, "the engine process has stopped", "server_error")
+        load = self.engine.load()
+        return {"status": "ok", "checkpoint": self.fingerprint, "running": load["running"],
+                "waiting": load["waiting"], "steps": load["steps"],
+                "busy_s": round(load["busy_s"], 3), "cpu_s": round(load["cpu_s"], 3)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:

@@ -134,12 +134,26 @@ class Engine:
                     self._lock.wait()
                 if self._stop:
                     break
-            try:
-                self.step()
-            except Exception as exc:  # noqa: BLE001 - an engine bug must fail requests, not hang them
-                log.exception("engine step failed")
-                self._fail_all(f"internal engine error: {type(exc).__name__}")
-        self._fail_all("server is shutting down")
+            self.run_step()
+        self.fail_all("server is shutting down")
+
+    def idle(self) -> bool:
+        """Nothing to decode, admit or swap in."""
+        with self._lock:
+            return not (self.waiting or self.running or self._next_model)
+
+    def run_step(self) -> None:
+        """One step; an engine bug fails the requests in flight instead of hanging them."""
+        try:
+            self.step()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine step failed")
+            self.fail_all(f"internal engine error: {type(exc).__name__}")
+
+    def load(self) -> dict:
+        """Running and waiting sequences, KV cache slots, steps taken, and the time (wall, CPU) spent in steps."""
+        return {"running": len(self.running), "waiting": len(self.waiting), "slots": self.cache.slots, "steps": self.steps,
+                "busy_s": self.busy_s, "cpu_s": self.cpu_s}
 
     # --- the engine thread -----------------------------------------------------------------
     def step(self) -> None:
@@ -264,7 +278,7 @@ class Engine:
             self.cache.relocate(top.slot, hole, top.position)
             top.slot = hole
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
         with self._lock:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for req in waiting:

@@ -30,7 +30,7 @@ class ServeSpec:
     autoscaling_options: dict = field(default_factory=dict)
     # Streamed chunks per second a replica sends in all (see pump.Pacer): under load each
     # stream's chunks come further apart than serve.stream_interval_ms and carry more tokens.
-    stream_events_per_s: float = 500.0
+    stream_events_per_s: float = 1000.0
 
     def engine_options(self) -> EngineOptions:
         s = self.serve
