@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible FastAPI ingress over the batching engine.
 
-One replica = one model copy + one engine thread. Requests are validated, tokenized and
-queued in the engine; text comes back through an asyncio queue and is returned whole or
+One replica = one engine process (engine_process) holding the model. Requests are validated,
+tokenized and queued in the engine; text comes back through an asyncio queue and is returned whole or
 streamed as server-sent events. Client mistakes are 4xx with an OpenAI-style error body.
 """
 
@@ -109,7 +109,7 @@ def sse(body: dict) -> str:
 @serve.deployment
 @serve.ingress(api)
 class LLMServer:
-    """One replica: loads the checkpoint, runs the engine thread, answers the OpenAI routes."""
+    """One replica: loads the checkpoint, starts the engine process, answers the OpenAI routes."""
 
     def __init__(self, spec: ServeSpec) -> None:
         self.spec = spec

@@ -1,4 +1,4 @@
-"""Carry engine events from the engine thread into an asyncio loop, one wake-up per engine step."""
+"""Carry engine events from the thread that receives them into an asyncio loop, one wake-up per engine step."""
 
 from __future__ import annotations
 
