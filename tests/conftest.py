@@ -24,6 +24,11 @@ if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKE
 
 from cluster_harness import HeadNode, start_head  # noqa: E402
 
+from cs3ray.serve.tuning import export_cluster_env  # noqa: E402
+
+# The test head runs Serve's proxy as `cs3 serve` runs it on an embedded cluster (gRPC to replicas).
+export_cluster_env()
+
 
 @pytest.fixture(scope="session")
 def ray_head() -> HeadNode:

@@ -24,6 +24,7 @@ import torch
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import build_config, to_yaml
 from cs3ray.models import ByteTokenizer, Transformer
+from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
 
 from .serve_load import Item, run_load, workload
 
@@ -69,7 +70,7 @@ def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int |
                                     "num_cpus": 1.0, "replicas": 1, "stream_interval_ms": stream_interval_ms})
         if mode == "serve_batch":
             app = RequestBatchServer.options(name=f"{name}-llm", max_ongoing_requests=1024,
-                                             ray_actor_options={"num_cpus": 1.0}).bind(spec)
+                                             ray_actor_options=replica_actor_options({"num_cpus": 1.0})).bind(spec)
         else:
             spec.serve = spec.serve.model_copy(update={"max_ongoing_requests": 1024})
             app = build_app(spec)
@@ -139,6 +140,7 @@ def local_ray(num_cpus: int) -> Iterator[None]:
     """
     import ray
 
+    export_cluster_env()  # as `cs3 serve` runs its embedded cluster
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, configure_logging=False)
     try:

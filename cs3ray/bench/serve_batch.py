@@ -16,11 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from cs3ray.serve.app import load_replica, read_json, sse, start_engine, tune_replica_process
+from cs3ray.serve.app import load_replica, read_json, sse, start_engine
 from cs3ray.serve.pump import EventPump
 from cs3ray.serve.schemas import APIError, CompletionRequest, completion_body, new_id, parse, prompt_ids, usage
 from cs3ray.serve.sequence import Event, GenRequest
 from cs3ray.serve.spec import ServeSpec
+from cs3ray.serve.tuning import tune_replica_process
 
 MAX_BATCH_SIZE = 16
 BATCH_WAIT_TIMEOUT_S = 0.01

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cs3ray.errors import UserError
+from cs3ray.serve.tuning import export_cluster_env
 
 
 class ClusterError(UserError):
@@ -60,6 +61,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
     embedded = address is None
     try:
         if embedded:
+            export_cluster_env()  # Serve's proxy, should this cluster serve a model, reads it at start
             # address="local": always a new cluster, even when `ray start` left one running here.
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")

@@ -8,10 +8,8 @@ streamed as server-sent events. Client mistakes are 4xx with an OpenAI-style err
 # No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures,
 # and FastAPI must see real classes (a string "Request" would become a required query field).
 import asyncio
-import gc
 import json
 import logging
-import sys
 import time
 from typing import Any, AsyncIterator
 
@@ -33,11 +31,11 @@ from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body,
                       new_id, parse, prompt_ids, usage)
 from .sequence import Event, GenRequest
 from .spec import ServeSpec
+from .tuning import tune_replica_process
 
 log = logging.getLogger(__name__)
 # Far above any prompt that fits a context window; bounds what a client can make a replica buffer.
 MAX_BODY_BYTES = 4 << 20
-SWITCH_INTERVAL_S = 0.0002
 api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None)
 
 
@@ -71,20 +69,6 @@ async def read_json(request: Request) -> Any:
         return json.loads(bytes(body))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-def tune_replica_process() -> None:
-    """Process-wide settings for a replica whose engine events arrive on a reader thread.
-
-    The heap loaded so far (Ray, torch, the model) is frozen out of the garbage collector's
-    scans: a full collection walks every live object, millions in a replica, and stalls every
-    stream; frozen, it only walks what requests allocated. And the GIL switch interval is cut
-    from 5 ms, so the thread that hands each engine step's events to the streams is not kept
-    waiting a whole interval while Serve's asyncio threads are busy sending chunks.
-    """
-    gc.collect()
-    gc.freeze()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def load_replica(spec: ServeSpec, device: str):

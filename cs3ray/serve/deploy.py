@@ -17,6 +17,7 @@ from cs3ray.errors import UserError
 from cs3ray.storage import is_remote
 
 from .spec import ServeSpec
+from .tuning import replica_actor_options
 
 
 def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
@@ -48,7 +49,8 @@ def build_app(spec: ServeSpec):
     from .app import LLMServer
 
     s = spec.serve
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus},
+    options: dict[str, Any] = {"ray_actor_options": replica_actor_options({"num_cpus": s.num_cpus,
+                                                                            "num_gpus": s.num_gpus}),
                                "max_ongoing_requests": s.max_ongoing_requests,
                                # A stream in flight finishes before its replica is retired.
                                "graceful_shutdown_timeout_s": s.request_timeout_s}

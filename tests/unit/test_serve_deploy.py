@@ -7,6 +7,7 @@ from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.serve.deploy import build_app, make_spec
+from cs3ray.serve.tuning import replica_actor_options
 
 
 def deployment_config(app):
@@ -22,6 +23,8 @@ def test_spec_reads_the_checkpoints_serve_section_with_cli_overrides(tmp_path):
     assert spec.engine_options().max_batch == 7 and spec.engine_options().threads == 1
     config, actor = deployment_config(build_app(spec))
     assert config.num_replicas == 3 and actor["num_cpus"] == 0.5
+    # Serve runs the replica's routes on its main event loop (see serve.tuning).
+    assert actor["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     assert config.autoscaling_config is None
 
 
@@ -35,6 +38,13 @@ def test_autoscaling_from_config(tmp_path):
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 24)
     assert (auto.upscale_delay_s, auto.downscale_delay_s) == (2.0, 5.0)
     assert actor["num_gpus"] == 0.25
+
+
+def test_replica_env_keeps_the_users_runtime_env():
+    options = replica_actor_options({"num_cpus": 1, "runtime_env": {
+        "pip": ["x"], "env_vars": {"A": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}})
+    assert options["num_cpus"] == 1 and options["runtime_env"]["pip"] == ["x"]
+    assert options["runtime_env"]["env_vars"] == {"A": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
 
 
 def test_user_errors(tmp_path):

@@ -1,0 +1,56 @@
+"""Ray Serve settings for streaming replicas whose engine runs in a process of its own.
+
+Serve reads these switches from environment variables when its processes start, so they are
+set in two places: the replica's (its runtime_env, on any cluster) and the proxy's (the
+environment of an embedded cluster's processes; on a cluster started with `ray start`, export
+them before starting it). Measured with `cs3 bench serve` on 2 cores, tiny model, concurrency
+16, continuous batching: 873 tokens/s by default, 1,005 with the replica's user code on its
+main event loop, 1,237 with the proxy also talking gRPC to the replica (each streamed chunk
+otherwise costs a Ray actor-call round trip in both processes); p99 inter-chunk gap 101 -> 66-85 ms.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+# Our routes never block the event loop (the engine is another process), so Serve's extra
+# thread + loop for user code only adds a cross-thread hop to every chunk.
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# The HTTP proxy forwards requests and streams chunks back over gRPC instead of Ray actor calls
+# (Serve's "throughput optimized" data plane; direct ingress, which drops the proxy, is left off:
+# it serves each replica on a port of its own instead of the one the user asked for).
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+SWITCH_INTERVAL_S = 0.0002
+
+
+def replica_actor_options(options: dict) -> dict:
+    """Ray actor options for a replica: `options` plus REPLICA_ENV in its runtime_env (the user's own
+    environment variables win)."""
+    env = dict(REPLICA_ENV)
+    runtime_env = dict(options.get("runtime_env") or {})
+    env.update(runtime_env.get("env_vars") or {})
+    runtime_env["env_vars"] = env
+    return {**options, "runtime_env": runtime_env}
+
+
+def export_cluster_env() -> None:
+    """Put CLUSTER_ENV into this process's environment (values already set are kept) so the
+    processes of a Ray cluster started from here inherit it."""
+    for key, value in CLUSTER_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def tune_replica_process() -> None:
+    """Process-wide settings for a replica whose engine events arrive on a reader thread.
+
+    The heap loaded so far (Ray, torch, the model) is frozen out of the garbage collector's
+    scans: a full collection walks every live object, millions in a replica, and stalls every
+    stream; frozen, it only walks what requests allocated. And the GIL switch interval is cut
+    from 5 ms, so the thread that hands each engine step's events to the streams is not kept
+    waiting a whole interval while Serve's asyncio threads are busy sending chunks.
+    """
+    gc.collect()
+    gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
