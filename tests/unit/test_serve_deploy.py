@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.serve.deploy import build_app, make_spec
-from cs3ray.serve.tuning import replica_actor_options
+from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
 
 
 def deployment_config(app):
@@ -45,6 +47,15 @@ def test_replica_env_keeps_the_users_runtime_env():
         "pip": ["x"], "env_vars": {"A": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}})
     assert options["num_cpus"] == 1 and options["runtime_env"]["pip"] == ["x"]
     assert options["runtime_env"]["env_vars"] == {"A": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+
+
+def test_cluster_env_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
+    export_cluster_env()
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+    monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC")
+    export_cluster_env()
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
 
 
 def test_user_errors(tmp_path):
