@@ -6,7 +6,8 @@ environment of an embedded cluster's processes; on a cluster started with `ray s
 them before starting it). Measured with `cs3 bench serve` on 2 cores, tiny model, concurrency
 16, continuous batching: 873 tokens/s by default, 1,005 with the replica's user code on its
 main event loop, 1,237 with the proxy also talking gRPC to the replica (each streamed chunk
-otherwise costs a Ray actor-call round trip in both processes); p99 inter-chunk gap 101 -> 66-85 ms.
+otherwise costs a Ray actor-call round trip in both processes); p99 inter-chunk gap 101 -> 55-94 ms
+(ten runs).
 """
 
 from __future__ import annotations
