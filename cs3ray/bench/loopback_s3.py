@@ -2,7 +2,8 @@
 
 The proxy sits between an S3 client (s3fs, exactly as a user configures it) and the moto
 server: it waits `latency_s` before forwarding each request, as a far-away store would, and
-while `down` is set answers every request with 503, which is how tests stage an outage.
+while `down` is set answers every request with 503, which is how tests stage an outage;
+`outage_from(match, seconds)` starts one at an exact request (not at a moment that races the client).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class LatencyProxy:
 
     def __init__(self, upstream: str, latency_s: float = 0.02) -> None:
         self.latency_s, self.down, self.requests = latency_s, False, 0
+        self._trigger: tuple[str, float] | None = None
+        self._down_until = 0.0
         parts = urlsplit(upstream)
         host, port = parts.hostname, parts.port
         local = threading.local()
@@ -89,7 +92,10 @@ class LatencyProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 time.sleep(proxy.latency_s)
-                if proxy.down:
+                trigger = proxy._trigger
+                if trigger is not None and trigger[0] in self.path:
+                    proxy._trigger, proxy._down_until = None, time.monotonic() + trigger[1]
+                if proxy.down or time.monotonic() < proxy._down_until:
                     msg = b"<Error><Code>ServiceUnavailable</Code><Message>injected outage</Message></Error>"
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(msg)))
@@ -126,6 +132,14 @@ class LatencyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="cs3-s3-proxy")
         self._thread.start()
+
+    def outage_from(self, match: str, seconds: float) -> None:
+        """Answer 503 for `seconds` from the next request whose path contains `match` (that one included)."""
+        self._trigger = (match, seconds)
+
+    def outage_over(self) -> bool:
+        """True once an outage set by `outage_from` has started and ended."""
+        return self._trigger is None and time.monotonic() >= self._down_until
 
     def stop(self) -> None:
         self.server.shutdown()

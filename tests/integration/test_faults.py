@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 import uuid
 
@@ -42,22 +41,6 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     assert (run_dir / "step-00000040" / "manifest.json").exists()
 
 
-def _outage(proxy, after_requests: int, seconds: float) -> threading.Thread:
-    """From the `after_requests`-th request on, the proxy answers 503 for `seconds`, then recovers."""
-    def run() -> None:
-        start = proxy.requests
-        deadline = time.time() + 60
-        while proxy.requests < start + after_requests and time.time() < deadline:
-            time.sleep(0.001)
-        proxy.down = True
-        time.sleep(seconds)
-        proxy.down = False
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):
     import torch
 
@@ -74,17 +57,17 @@ def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_
     state = {"model": {f"w{i}": torch.randn(128, 64) for i in range(12)}}
     try:
         mgr = CheckpointManager(url, opts)
-        outage = _outage(proxy, after_requests=6, seconds=1.5)  # part-way through the chunk uploads
+        proxy.outage_from("/chunks/", seconds=1.5)  # from the first chunk upload on
         mgr.save(1, state, {"step": 1}, {"torch": torch.get_rng_state()}, {"config.yaml": "a: 1\n"})
-        outage.join()
+        assert proxy.outage_over()
         retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retrying")]
         assert any("/chunks/" in m for m in retried), retried
 
         caplog.clear()
-        outage = _outage(proxy, after_requests=4, seconds=1.5)
+        proxy.outage_from("/chunks/", seconds=1.5)  # from the first chunk read on
         fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
         step, _, _ = CheckpointManager(url, opts).load(fresh)
-        outage.join()
+        assert proxy.outage_over()
         assert step == 1 and all(torch.equal(fresh["model"][k], v) for k, v in state["model"].items())
         assert any(r.getMessage().startswith("retrying") for r in caplog.records)
 
