@@ -40,10 +40,13 @@ def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     from cs3ray.bench import recovery
 
     r = recovery.run(quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"recovery from a worker SIGKILL (snapshot every {r['interval_steps']} steps)",
-         ["run", "kill -> next step (s)", "steps lost", "restored from"],
-         [("cs3ray", r["recovery_s"], r["steps_lost"], r["restored_from"]),
-          ("plain Ray Train", r["ray_train_recovery_s"], r["ray_train_steps_lost"], "storage")], r, as_json)
+    emit(f"recovery from a worker SIGKILL (snapshot every {r['interval_steps']} steps; "
+         f"ratio {r['recovery_ratio']:.2f} of Ray Train's)",
+         ["run", "kill -> next step (s)", "kill -> full size (s)", "steps lost", "state from"],
+         [*((f"cs3ray ({mode})", m["recovery_s"], m["full_size_s"], m["steps_lost"], m["restored_from"])
+            for mode, m in r["modes"].items()),
+          ("plain Ray Train", r["ray_train_recovery_s"], r["ray_train_recovery_s"], r["ray_train_steps_lost"],
+           "storage")], r, as_json)
 
 
 @app.command("peak")

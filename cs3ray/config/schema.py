@@ -130,6 +130,11 @@ class ClusterConfig(Section):
         60.0, ge=0, description="Elastic runs: seconds between checks for room to grow (Ray Train's resize monitor).")
     max_failures: int = Field(
         3, ge=-1, description="Worker-group failures to recover from by restarting from the newest snapshot (-1: no limit).")
+    fault_tolerance: Literal["restart", "replicas"] = Field(
+        "restart", description="What a worker failure costs: 'restart' restarts the whole group from the newest "
+                               "snapshot (Ray Train's way); 'replicas' (needs torchft; ddp, fixed worker count) keeps the "
+                               "survivors training while Ray Train replaces the lost worker, which then copies live "
+                               "state from a survivor.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs each worker reserves; it also sets torch's threads.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use nccl.")
     num_cpus: int | None = Field(
@@ -249,4 +254,12 @@ class JobConfig(Section):
             if workers // tp > 1 and self.parallel.strategy != "fsdp":
                 raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
                                  f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
+        if self.cluster.fault_tolerance == "replicas":
+            # Each worker is a replica group of one holding the whole model (torchft's unit of failure).
+            if self.parallel.strategy != "ddp" or tp > 1:
+                raise ValueError("cluster.fault_tolerance=replicas needs parallel.strategy=ddp and parallel.tp=1 "
+                                 "(every worker keeps a whole replica of the model)")
+            if self.cluster.elastic:
+                raise ValueError("cluster.fault_tolerance=replicas needs a fixed cluster.workers (Ray Train replaces "
+                                 "lost replicas only in fixed-size groups)")
         return self

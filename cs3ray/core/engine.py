@@ -73,6 +73,10 @@ class ComputeCore:
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.scaler = LossScaler(self.precision == "fp16")
         self.grad_accum = t.grad_accum  # the worker adapts it to keep the global batch on resizes
+        # Fault-tolerant replicas (cs3ray.train.replicas) average gradients across replica groups
+        # themselves and decide whether the step may be applied; None for ordinary runs.
+        self.sync_grads: Callable[[list[torch.Tensor]], None] | None = None
+        self.may_commit: Callable[[], bool] | None = None
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
 
@@ -114,8 +118,12 @@ class ComputeCore:
                 loss = self._forward_loss(x) / self.grad_accum
                 self.scaler.scale_loss(loss).backward()
             total += float(loss.detach())
+        if self.sync_grads is not None:
+            self.sync_grads(self.params)
         ok = self.scaler.unscale_and_check(self.params)
         self.grad_bytes = owned_bytes(self.model, self.optimizer)["grad_bytes"]
+        if self.may_commit is not None:
+            ok = self.may_commit() and ok
         if ok:
             if t.clip > 0:
                 clip_grad_norm(self.params, t.clip)

@@ -198,6 +198,17 @@ class TrainStream:
         """Global sample offset after the micro-batches produced so far (equal on every rank)."""
         return self.base + self.consumed * self.world * self.batch_size
 
+    def seek(self, samples: int, rank: int, world: int, batch_size: int) -> None:
+        """Continue at global sample offset `samples` as `rank` of `world` with micro-batches of `batch_size`.
+
+        Fault-tolerant replicas re-split every step's global batch over the replicas alive for it.
+        """
+        if (samples, rank, world, batch_size) != (self.position, self.rank, self.world, self.batch_size):
+            if self._trace is not None:
+                self._write_trace()
+                self._traced = []
+            self.base, self.consumed, self.rank, self.world, self.batch_size = samples, 0, rank, world, batch_size
+
     def __iter__(self) -> "TrainStream":
         return self
 

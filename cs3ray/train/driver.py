@@ -70,6 +70,17 @@ def _scaling(cfg: JobConfig):
                          resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})})
 
 
+def _torch_config(cfg: JobConfig):
+    from ray.train.torch import TorchConfig
+
+    backend = "nccl" if cfg.cluster.use_gpu else "gloo"
+    if cfg.cluster.fault_tolerance == "replicas":
+        from .replicas import torchft_config
+
+        return torchft_config(backend)
+    return TorchConfig(backend=backend)
+
+
 def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, resumed: bool = False) -> dict[str, Any]:
     """The run summary written to summary.json and printed by the CLI."""
     end = next((e for e in reversed(events) if e["event"] == "end"), {})
@@ -85,6 +96,8 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
         "final_val_loss": end.get("val_loss"), "tokens_per_s": round(tps, 1),
         "tokens_seen": end.get("tokens_seen", 0), "workers": start.get("workers", cfg.cluster.max_workers),
         "restarts": sum(1 for e in events if e["event"] == "restored") - (1 if resumed else 0),
+        # Fault-tolerant replicas: workers Ray Train replaced while the others went on.
+        "replaced_workers": max(0, sum(1 for e in events if e["event"] == "worker") - start.get("workers", 0)),
         "precision": start.get("precision", cfg.precision), "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),
         "checkpoint": run.child(step_dir(steps[-1])).url if steps else None, "wall_s": round(wall_s, 1),
         "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
@@ -104,12 +117,13 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     import ray
     from ray.train import FailureConfig, RunConfig
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from .loop import train_loop_per_worker
     from .monitor import RunMonitor
 
     started = time.time()
+    torch_config = _torch_config(cfg)  # a missing torchft is reported before anything is written
     run = prepare_run_dir(cfg, resume, overwrite)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
@@ -126,7 +140,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards.url,
                                "monitor": monitor},
             scaling_config=_scaling(cfg),
-            torch_config=TorchConfig(backend="nccl" if cfg.cluster.use_gpu else "gloo"),
+            torch_config=torch_config,
             run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}",
                                  failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
             # No `datasets=`: workers read their exact slice of the global order through the

@@ -28,6 +28,7 @@ from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
 from .elastic import plan_batch
+from .replicas import ReplicaSync, copy_into
 
 
 @dataclass
@@ -67,8 +68,11 @@ class Worker:
         self.cfg, self.monitor = cfg, monitor
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.replicated = cfg.cluster.fault_tolerance == "replicas"
+        # Who reports events: rank 0, or with fault-tolerant replicas the first one alive this step.
+        self.reporter = self.rank == 0
         # Live Prometheus gauges (Ray's metrics agent) beside the run's JSONL event log.
-        self.gauges = TrainGauges(cfg.run.name) if self.rank == 0 else None
+        self.gauges = TrainGauges(cfg.run.name) if self.rank == 0 or self.replicated else None
         self.threads = max(1, int(cfg.cluster.cpus_per_worker))
         # Ray sets OMP_NUM_THREADS=1 in workers; use exactly the CPUs this worker reserved.
         torch.set_num_threads(self.threads)
@@ -86,6 +90,12 @@ class Worker:
         # others), so one present means --resume, or Ray Train restarting a failed group.
         if self.ckpt.latest() is not None:
             self._restore()
+        self.sync: ReplicaSync | None = None
+        if self.replicated:
+            self.sync = ReplicaSync(self.rank, self._live_state, self._heal, self.progress.step)
+            self.core.sync_grads, self.core.may_commit = self.sync.sync_grads, self.sync.commit
+            if monitor is not None:  # every replica's process, for fault injection and operators
+                monitor.record.remote({"event": "worker", "wall": time.time(), "rank": self.rank, "pid": os.getpid()})
         torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.shards_url = shards_url
         self.val = self._val_slice(shards_url)
@@ -124,10 +134,34 @@ class Worker:
                     from_strategy=meta.get("strategy"), restored_from=source,
                     data_samples=(meta.get("data") or {}).get("samples"))
 
+    def _live_state(self) -> dict[str, Any]:
+        """What a survivor sends a replica that heals from it: everything a checkpoint would hold."""
+        p = self.progress
+        return {"core": self.core.state(), "scaler": self.core.scaler.state_dict(),
+                "progress": {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
+                             "val_loss": p.val_loss},
+                "samples": self.stream.position if self.stream is not None else None}
+
+    def _heal(self, live: dict[str, Any]) -> None:
+        state = self.core.state()
+        copy_into(state["optim"], live["core"]["optim"])
+        state["model"] = live["core"]["model"]
+        self.core.after_load(state)
+        self.core.scaler.load_state_dict(live["scaler"])
+        self.progress.step, self.progress.tokens_seen = live["progress"]["step"], live["progress"]["tokens_seen"]
+        self.progress.initial_val_loss, self.progress.val_loss = (live["progress"]["initial_val_loss"],
+                                                                  live["progress"]["val_loss"])
+        if self.stream is not None and live["samples"] is not None:
+            s = self.stream
+            s.seek(live["samples"], s.rank, s.world, s.batch_size)
+        if self.monitor is not None:
+            self.monitor.record.remote({"event": "healed", "wall": time.time(), "rank": self.rank,
+                                        "step": self.progress.step})
+
     def _event(self, kind: str, **data: Any) -> None:
-        if self.rank == 0 and self.gauges is not None and kind in ("progress", "eval"):
+        if self.reporter and self.gauges is not None and kind in ("progress", "eval"):
             self.gauges.update(data)
-        if self.rank == 0 and self.monitor is not None:
+        if self.reporter and self.monitor is not None:
             # `wall`: when it happened on the worker (the log's `time` is when the driver saw it).
             self.monitor.record.remote({"event": kind, "wall": time.time(), **data})
 
@@ -148,7 +182,8 @@ class Worker:
         files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
         t0 = time.perf_counter()
         url = self.ckpt.save(p.step, self.core.state(), meta, rng_state(), files)
-        self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3))
+        self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3),
+                    data_samples=meta["data"]["samples"] if meta["data"] else None)
         return url
 
     def run(self) -> None:
@@ -172,27 +207,40 @@ class Worker:
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
         first_step = p.step
+        participants = self.world
         while p.step < t.steps:
             t0 = time.perf_counter()
+            if self.sync is not None:
+                participants, start = self._join_step()
+                if p.step >= t.steps:  # healed from a replica that has finished
+                    break
             lr = t.lr * lr_factor(p.step, t.warmup_steps, t.steps, t.min_lr_ratio)
             # An async snapshot must finish copying the weights before the optimizer changes them.
             self.ckpt.wait_staged()
             # The second step is measured for peak memory (the first one allocates optimizer state lazily).
             loss, ok = self.core.step(next_batch, lr, track_memory=p.step == first_step + 1)
+            stop_flag = 1.0 if self.reporter and self._stop_requested() else 0.0
+            if self.sync is not None:
+                if self.sync.manager.current_step() == p.step:  # a replica failed mid-step: redo it
+                    self.stream.seek(start, self.stream.rank, self.stream.world, self.stream.batch_size)
+                    continue
+                loss_sum, stop = (v * participants for v in self.sync.average([loss, stop_flag]))
+            else:
+                loss_sum, stop = _all_reduce([loss, stop_flag], self.device)
             p.step += 1
             p.tokens_seen += tokens_per_step
             window_steps += 1
-            stop_flag = 1.0 if self.rank == 0 and self._stop_requested() else 0.0
-            loss_sum, stop = _all_reduce([loss, stop_flag], self.device)
-            preempted = p.step % t.log_every == 0 and ray.train.get_preemption_info() is not None
+            # The preemption check is a barrier of all workers; replicas ride out a lost node anyway.
+            preempted = (self.sync is None and p.step % t.log_every == 0
+                         and ray.train.get_preemption_info() is not None)
             step_time = time.perf_counter() - t0
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
-                self._event("progress", step=p.step, loss=loss_sum / self.world, step_time_s=step_time,
+                self._event("progress", step=p.step, loss=loss_sum / participants, step_time_s=step_time,
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
-                            loss_scale=self.core.scaler.scale)
+                            loss_scale=self.core.scaler.scale, workers=participants)
                 window_t, window_steps = time.perf_counter(), 0
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
@@ -200,20 +248,38 @@ class Worker:
             if p.step % cfg.checkpoint.every == 0 or p.step == t.steps or stop or preempted:
                 if preempted:
                     self._event("preemption", step=p.step)  # snapshot now, before the node goes away
-                self.save()
+                if self.sync is None or self.reporter:  # replicas are identical: one of them writes
+                    self.save()
                 last_ckpt = p.step
             if stop:
                 stopped = True
                 break
-        if last_ckpt != p.step:
+        if last_ckpt != p.step and (self.sync is None or self.reporter):
             self.save()
         self.ckpt.close()  # an async final snapshot is on storage before the workers exit
+        if self.sync is not None:
+            self.sync.shutdown()
         self.stream.close()
         memory = _all_gather(self.core.memory())
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
                  "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}
         self._event("end", memory=memory, **final)
-        ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
+        if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
+            ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
+
+    def _join_step(self) -> tuple[int, int]:
+        """Replicas: join this step's quorum and take its share of the global batch.
+
+        Returns the number of participants and the global sample offset the step starts at.
+        """
+        step, rank, n = self.sync.begin_step()  # a replica that is behind heals here (see _heal)
+        self.progress.step = step
+        self.reporter = rank == 0
+        plan = plan_batch(self.cfg, n)
+        self.core.grad_accum = plan.grad_accum
+        start = self.stream.position
+        self.stream.seek(start, rank, n, plan.micro_batch)
+        return n, start
 
     def _stop_requested(self) -> bool:
         import ray

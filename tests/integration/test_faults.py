@@ -13,32 +13,71 @@ import uuid
 import pytest
 
 from conftest import ROOT
+from cs3ray.config import load_config
+from cs3ray.train.elastic import global_samples
 
 
 def _events(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _train(ray_head, run_dir, *overrides):
+    return subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=24",
+                             "train.log_every=1", "train.eval_every=100", "cluster.max_failures=2", *overrides,
+                             "--address", ray_head.address, "--json"],
+                            cwd=ROOT, env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(log, step: int) -> int:
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(e.get("step", 0) >= step and e["event"] == "progress" for e in _events(log)):
+        time.sleep(0.2)
+    return max(e["step"] for e in _events(log) if e["event"] == "progress")
+
+
 def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=40",
-                             "checkpoint.every=10", "train.log_every=2", "train.eval_every=100",
-                             "cluster.max_failures=2", "--address", ray_head.address, "--json"],
-                            cwd=ROOT, env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _train(ray_head, run_dir, "checkpoint.every=6")
     log = run_dir / "events.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not any(e.get("step", 0) >= 14 and e["event"] == "progress" for e in _events(log)):
-        time.sleep(0.5)
+    killed_at = _wait_for_step(log, 8)
     start = [e for e in _events(log) if e["event"] == "start"][-1]
-    killed_at = max(e["step"] for e in _events(log) if e["event"] == "progress")
     os.kill(start["pids"][1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 40 and summary["restarts"] == 1 and summary["workers"] == 2
+    assert summary["steps"] == 24 and summary["restarts"] == 1 and summary["workers"] == 2
     restored = [e for e in _events(log) if e["event"] == "restored"]
-    assert len(restored) == 1 and 10 <= restored[0]["step"] <= killed_at + 2
-    assert (run_dir / "step-00000040" / "manifest.json").exists()
+    assert len(restored) == 1 and 6 <= restored[0]["step"] <= killed_at + 2
+    assert (run_dir / "step-00000024" / "manifest.json").exists()
+
+
+def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_head, tmp_path):
+    run_dir = tmp_path / "replicas"
+    proc = _train(ray_head, run_dir, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
+    log = run_dir / "events.jsonl"
+    _wait_for_step(log, 6)
+    victim = next(e for e in _events(log) if e["event"] == "worker" and e["rank"] == 1)
+    killed = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 24 and summary["restarts"] == 0 and summary["replaced_workers"] == 1
+    events = _events(log)
+    after = [e for e in events if e["wall"] > killed]
+    healed = [e for e in after if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["rank"] == 1
+    # The survivor trained alone (no restart, nothing restored) until the replacement healed from it.
+    alone = [e for e in after if e["event"] == "progress" and e["workers"] == 1]
+    assert alone and alone[0]["step"] <= healed[0]["step"] and not [e for e in events if e["event"] == "restored"]
+    assert any(e["event"] == "progress" and e["workers"] == 2 and e["step"] > healed[0]["step"] for e in after)
+    steps = [e["step"] for e in events if e["event"] == "progress"]
+    assert steps == list(range(1, 25))  # every step once: none lost, none repeated
+    # Whoever was training, each snapshot's data position is exactly its step's global batches.
+    global_batch = global_samples(load_config(ROOT / "configs/tiny.yaml"))
+    snaps = [e for e in events if e["event"] == "checkpoint"]
+    assert snaps and all(e["data_samples"] == e["step"] * global_batch for e in snaps)
+    assert (run_dir / "step-00000024" / "manifest.json").exists()
 
 
 def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):

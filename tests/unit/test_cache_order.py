@@ -96,3 +96,30 @@ def test_resume_refuses_a_position_of_another_order(tmp_path):
     legacy = TrainStream(2, 1, {"samples": 64, "epoch": 0}, shards_url=src, cache={"disk_dir": str(tmp_path / "l2")})
     assert legacy.position == 0
     legacy.close()
+
+
+def test_replicas_resplit_each_global_batch_over_those_alive(tmp_path):
+    """Fault-tolerant replicas: 2 -> 1 -> 2 participants, and a step redone after a failure."""
+    src, manifest = make_shard_set(tmp_path / "l3", n_shards=2)
+    cache = {"disk_dir": str(tmp_path / "l2"), "shuffle_window": 2}
+    streams = [TrainStream(4, 11, None, shards_url=src, cache=cache, rank=r, world=2) for r in range(2)]
+    per_step, seen = 8, []
+    for alive, accum, redo in [((0, 1), 1, False), ((0,), 2, True), ((0,), 2, False), ((1, 0), 1, False)]:
+        start = streams[alive[0]].position
+        batch = per_step // (len(alive) * accum)
+        step = []
+        for rank, i in enumerate(alive):
+            s = streams[i]
+            s.seek(start, rank, len(alive), batch)
+            for _ in range(accum):
+                first = s.position + s.rank * batch
+                step.extend(s.order.ids(first, first + batch).tolist())
+                next(s)
+        if not redo:  # a failed step is thrown away: the next one takes its samples again
+            seen.extend(step)
+        for s in streams:
+            s.seek(start + (0 if redo else per_step), s.rank, s.world, s.batch_size)
+    order = GlobalOrder(manifest["splits"]["train"], 11, 2)
+    assert sorted(seen) == sorted(order.ids(0, 3 * per_step).tolist()) and len(seen) == 3 * per_step
+    for s in streams:
+        s.close()

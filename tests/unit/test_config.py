@@ -91,3 +91,14 @@ def test_unreachable_cluster_is_one_line_and_leaves_no_run(tmp_path):
     assert "cannot reach the Ray cluster at '127.0.0.1:1'" in result.stderr and "Traceback" not in result.stderr
     # Nothing was written, so the same command works once the cluster is up.
     assert not (tmp_path / "r" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel.strategy=fsdp"], "needs parallel.strategy=ddp"),
+    (["cluster.workers={min: 1, max: 2}"], "needs a fixed cluster.workers"),
+])
+def test_fault_tolerant_replicas_need_whole_replicas_and_a_fixed_size(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["cluster.fault_tolerance=replicas", *overrides])
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert load_config(None, ["cluster.fault_tolerance=replicas"]).cluster.fault_tolerance == "replicas"
