@@ -48,7 +48,7 @@ def _measure(events: Callable[[], list[dict]], kill_after: int, timeout: float, 
     back = "worker" if replicas else "start"  # the replacement process, or the restarted group
     restart = _wait_for(events, lambda e: e["event"] == back and e["wall"] > killed, timeout)
     first = _wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed, timeout)
-    full = _wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed and e.get("workers") == 2,
+    full = _wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed and e.get("workers", 2) == 2,
                      timeout)
     return {"killed": killed, "last_before": last_before, "restart": restart, "first": first, "full": full}
 

@@ -15,6 +15,8 @@ or repeated while the group is short of a replica: fewer replicas accumulate mor
 
 from __future__ import annotations
 
+import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -65,6 +67,10 @@ class ReplicaSync:
 
     def __init__(self, replica: int, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
                  step: int) -> None:
+        # torchft logs every quorum and commit at INFO (Rust and Python): several lines per step
+        # in the user's terminal. Warnings still come through.
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.WARNING)
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 

@@ -22,7 +22,7 @@ def _events(path):
 
 
 def _train(ray_head, run_dir, *overrides):
-    return subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=24",
+    return subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=20",
                              "train.log_every=1", "train.eval_every=100", "cluster.max_failures=2", *overrides,
                              "--address", ray_head.address, "--json"],
                             cwd=ROOT, env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -37,32 +37,32 @@ def _wait_for_step(log, step: int) -> int:
 
 def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = _train(ray_head, run_dir, "checkpoint.every=6")
+    proc = _train(ray_head, run_dir, "checkpoint.every=5")
     log = run_dir / "events.jsonl"
-    killed_at = _wait_for_step(log, 8)
+    killed_at = _wait_for_step(log, 7)
     start = [e for e in _events(log) if e["event"] == "start"][-1]
     os.kill(start["pids"][1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 24 and summary["restarts"] == 1 and summary["workers"] == 2
+    assert summary["steps"] == 20 and summary["restarts"] == 1 and summary["workers"] == 2
     restored = [e for e in _events(log) if e["event"] == "restored"]
-    assert len(restored) == 1 and 6 <= restored[0]["step"] <= killed_at + 2
-    assert (run_dir / "step-00000024" / "manifest.json").exists()
+    assert len(restored) == 1 and 5 <= restored[0]["step"] <= killed_at + 2
+    assert (run_dir / "step-00000020" / "manifest.json").exists()
 
 
 def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_head, tmp_path):
     run_dir = tmp_path / "replicas"
     proc = _train(ray_head, run_dir, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
     log = run_dir / "events.jsonl"
-    _wait_for_step(log, 6)
+    _wait_for_step(log, 5)
     victim = next(e for e in _events(log) if e["event"] == "worker" and e["rank"] == 1)
     killed = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 24 and summary["restarts"] == 0 and summary["replaced_workers"] == 1
+    assert summary["steps"] == 20 and summary["restarts"] == 0 and summary["replaced_workers"] == 1
     events = _events(log)
     after = [e for e in events if e["wall"] > killed]
     healed = [e for e in after if e["event"] == "healed"]
@@ -72,12 +72,12 @@ def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_
     assert alone and alone[0]["step"] <= healed[0]["step"] and not [e for e in events if e["event"] == "restored"]
     assert any(e["event"] == "progress" and e["workers"] == 2 and e["step"] > healed[0]["step"] for e in after)
     steps = [e["step"] for e in events if e["event"] == "progress"]
-    assert steps == list(range(1, 25))  # every step once: none lost, none repeated
+    assert steps == list(range(1, 21))  # every step once: none lost, none repeated
     # Whoever was training, each snapshot's data position is exactly its step's global batches.
     global_batch = global_samples(load_config(ROOT / "configs/tiny.yaml"))
     snaps = [e for e in events if e["event"] == "checkpoint"]
     assert snaps and all(e["data_samples"] == e["step"] * global_batch for e in snaps)
-    assert (run_dir / "step-00000024" / "manifest.json").exists()
+    assert (run_dir / "step-00000020" / "manifest.json").exists()
 
 
 def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):

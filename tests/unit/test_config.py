@@ -102,3 +102,16 @@ def test_fault_tolerant_replicas_need_whole_replicas_and_a_fixed_size(overrides,
         load_config(None, ["cluster.fault_tolerance=replicas", *overrides])
     assert needle in str(info.value) and "\n" not in str(info.value)
     assert load_config(None, ["cluster.fault_tolerance=replicas"]).cluster.fault_tolerance == "replicas"
+
+
+def test_replicas_without_torchft_is_one_clear_sentence(monkeypatch):
+    import sys
+
+    from cs3ray.errors import UserError
+    from cs3ray.train.replicas import torchft_config
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if it were not installed
+    with pytest.raises(UserError, match=r"needs torchft: pip install 'cs3ray\[ft\]'"):
+        torchft_config("gloo")
+    monkeypatch.undo()
+    assert type(torchft_config("gloo")).__name__ == "TorchftConfig"
