@@ -31,7 +31,7 @@ def main(run_dir: str) -> None:
     cfg = load_config("configs/tiny.yaml", [
         f"run.dir={run_dir}", "train.steps=100000", "train.log_every=2", "train.eval_every=100000",
         "checkpoint.every=2", "cluster.workers={min: 1, max: 2}", "cluster.cpus_per_worker=2",
-        "cluster.resize_interval_s=3", "cluster.max_failures=5", "train.batch_size=8"])
+        "cluster.resize_interval_s=3", "cluster.start_timeout_s=20", "cluster.max_failures=5", "train.batch_size=8"])
     starts: list[dict] = []
     progress: list[dict] = []
 

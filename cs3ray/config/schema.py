@@ -128,6 +128,10 @@ class ClusterConfig(Section):
                        "to scale elastically between M and N.")
     resize_interval_s: float = Field(
         60.0, ge=0, description="Elastic runs: seconds between checks for room to grow (Ray Train's resize monitor).")
+    start_timeout_s: float = Field(
+        60.0, gt=0, description="How long a worker group may wait for its workers to be placed before Ray Train gives up "
+                                "on that size; after a node loss an elastic run first asks for its old size (the lost "
+                                "node's CPUs still look free for a moment), then retries at the size that fits.")
     max_failures: int = Field(
         3, ge=-1, description="Worker-group failures to recover from by restarting from the newest snapshot (-1: no limit).")
     fault_tolerance: Literal["restart", "replicas"] = Field(

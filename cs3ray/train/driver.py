@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -146,6 +147,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             # No `datasets=`: workers read their exact slice of the global order through the
             # node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
         )
+        # Ray Train reads this in the driver's environment and passes it to its controller.
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{cfg.cluster.start_timeout_s:g}"
         outcome: dict[str, Any] = {}
 
         def fit() -> None:
