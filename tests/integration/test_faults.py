@@ -21,8 +21,8 @@ def _events(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _train(ray_head, run_dir, *overrides):
-    return subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=20",
+def _train(ray_head, run_dir, steps, *overrides):
+    return subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", f"train.steps={steps}",
                              "train.log_every=1", "train.eval_every=100", "cluster.max_failures=2", *overrides,
                              "--address", ray_head.address, "--json"],
                             cwd=ROOT, env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -37,23 +37,23 @@ def _wait_for_step(log, step: int) -> int:
 
 def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = _train(ray_head, run_dir, "checkpoint.every=5")
+    proc = _train(ray_head, run_dir, 14, "checkpoint.every=4")
     log = run_dir / "events.jsonl"
-    killed_at = _wait_for_step(log, 7)
+    killed_at = _wait_for_step(log, 6)
     start = [e for e in _events(log) if e["event"] == "start"][-1]
     os.kill(start["pids"][1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 20 and summary["restarts"] == 1 and summary["workers"] == 2
+    assert summary["steps"] == 14 and summary["restarts"] == 1 and summary["workers"] == 2
     restored = [e for e in _events(log) if e["event"] == "restored"]
-    assert len(restored) == 1 and 5 <= restored[0]["step"] <= killed_at + 2
-    assert (run_dir / "step-00000020" / "manifest.json").exists()
+    assert len(restored) == 1 and 4 <= restored[0]["step"] <= killed_at + 2
+    assert (run_dir / "step-00000014" / "manifest.json").exists()
 
 
 def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_head, tmp_path):
     run_dir = tmp_path / "replicas"
-    proc = _train(ray_head, run_dir, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
+    proc = _train(ray_head, run_dir, 20, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
     log = run_dir / "events.jsonl"
     _wait_for_step(log, 5)
     victim = next(e for e in _events(log) if e["event"] == "worker" and e["rank"] == 1)

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import ROOT, run_cs3
 
-STEPS = 60
-FAST = ["train.eval_every=30", "train.log_every=5", "checkpoint.every=30", "train.warmup_steps=5"]
+STEPS = 40
+FAST = ["train.eval_every=20", "train.log_every=5", "checkpoint.every=20", "train.warmup_steps=5"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_train_learns_checkpoints_and_summarises(trained):
     assert summary["tokens_per_s"] > 0
     assert summary["checkpoint"].endswith(f"step-{STEPS:08d}")
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
-    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000030", f"step-{STEPS:08d}"]
+    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000020", f"step-{STEPS:08d}"]
     assert (run_dir / "config.yaml").exists()
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {"start", "progress", "eval", "checkpoint", "end"} <= {e["event"] for e in events}
