@@ -21,6 +21,7 @@ from typing import Any, Callable
 from cs3ray.config import load_config
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.train.driver import train
+from cs3ray.train.elastic import global_samples
 
 from .ray_train_peer import make_trainer
 
@@ -68,7 +69,7 @@ def _cs3_run(root: str, steps: int, every: int, batch: int, kill_after: int, tim
     replicas = fault_tolerance == "replicas"
     m = _measure(lambda: list(seen), kill_after, timeout, replicas)
     runner.join(timeout)
-    killed, per_step = m["killed"], batch * 2  # global samples per step
+    killed, per_step = m["killed"], global_samples(cfg)
     if replicas:
         # Nothing is restored: the survivor goes on from its live state. Its first snapshot after
         # the kill says where the data order stands; it must be exactly that step's offset.
