@@ -184,7 +184,7 @@ def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
         first = c.completions.create(model="follow-test", prompt="a", max_tokens=1, temperature=0)
         assert first.system_fingerprint == "step-1"
         stream = c.completions.create(model="follow-test", prompt="x", max_tokens=240, temperature=0,
-                                      stream=True, extra_body={"stop": None})
+                                      stream=True, extra_body={"stop": None, "ignore_eos": True})
         chunks = [next(iter(stream))]
         make_checkpoint(run, step=2, seed=1)  # training writes a newer checkpoint mid-stream
         chunks += list(stream)
@@ -294,10 +294,13 @@ def test_cli_detach_outlives_the_cli_times_out_with_408_and_stops(ray_head, http
         assert f"cs3 serve stop --name detach-test --address {ray_head.address}" in up.stdout
         assert healthy(base)
         # One slot (--max-batch 1): a long stream holds it, so the next request waits in the queue
-        # behind a whole 254-token generation plus its own, far past the 0.5 s timeout.
-        stream = c.completions.create(model="detach-test", prompt="x", max_tokens=254, temperature=0, stream=True)
+        # behind a whole 254-token generation plus its own, far past the 0.5 s timeout. ignore_eos: the
+        # random model may pick EOS early (it did on CI's CPU), which would free the slot.
+        stream = c.completions.create(model="detach-test", prompt="x", max_tokens=254, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
         first = next(iter(stream))
-        status, body = post(base, json.dumps({"model": "detach-test", "prompt": "y", "max_tokens": 254}), token=None)
+        status, body = post(base, json.dumps({"model": "detach-test", "prompt": "y", "max_tokens": 254,
+                                              "ignore_eos": True}), token=None)
         assert status == 408, body
         assert body["error"]["code"] == "timeout" and "longer than 0.5 s" in body["error"]["message"]
         # The stream is older still: past its timeout it ends with an error event (the status was already 200).
@@ -308,7 +311,7 @@ def test_cli_detach_outlives_the_cli_times_out_with_408_and_stops(ray_head, http
         while time.time() < deadline and (health := status_of(base))["running"] + health["waiting"]:
             time.sleep(0.2)
         assert health["running"] == health["waiting"] == 0, health  # the timed-out requests left their slots
-        out = c.completions.create(model="detach-test", prompt="a", max_tokens=2)
+        out = c.completions.create(model="detach-test", prompt="a", max_tokens=2, extra_body={"ignore_eos": True})
         assert out.system_fingerprint == "step-5" and out.usage.completion_tokens == 2
     finally:
         down = run_cs3(["serve", "stop", *where], env=ray_head.env(), timeout=120)

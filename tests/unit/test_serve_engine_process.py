@@ -30,7 +30,8 @@ class Collector:
 
 def submit(engine: EngineProcess, ids: list[int], params: SamplingParams = GREEDY) -> Collector:
     c = Collector()
-    engine.submit(GenRequest(ids, params, emit=c))
+    # ignore_eos: a random model may pick EOS early on another CPU; these tests need full lengths.
+    engine.submit(GenRequest(ids, params, ignore_eos=True, emit=c))
     return c
 
 
@@ -44,7 +45,7 @@ def engine():
 def test_same_text_as_in_process_and_load_counters(engine):
     ps = prompts(6)  # more than max_batch: some queue in the child, then join the batch
     expected = [text(evs) for evs in run(Engine(model(), EOS, EngineOptions(max_batch=4)),
-                                         [GenRequest(p, GREEDY) for p in ps])]
+                                         [GenRequest(p, GREEDY, ignore_eos=True) for p in ps])]
     got = [submit(engine, p) for p in ps[:4]]
     with pytest.raises(QueueFull, match="already waiting"):  # 4 running + 2 waiting is the limit
         for p in ps[4:] + ps[:1]:
