@@ -311,4 +311,4 @@ class CheckpointManager:
             self.wait()
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown()

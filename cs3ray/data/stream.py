@@ -198,11 +198,15 @@ class TrainStream:
         """Global sample offset after the micro-batches produced so far (equal on every rank)."""
         return self.base + self.consumed * self.world * self.batch_size
 
-    def seek(self, samples: int, rank: int, world: int, batch_size: int) -> None:
-        """Continue at global sample offset `samples` as `rank` of `world` with micro-batches of `batch_size`.
+    def seek(self, samples: int, rank: int | None = None, world: int | None = None,
+             batch_size: int | None = None) -> None:
+        """Continue at global sample offset `samples` as `rank` of `world` with micro-batches of `batch_size`
+        (each, when not given, as now).
 
         Fault-tolerant replicas re-split every step's global batch over the replicas alive for it.
         """
+        rank, world = self.rank if rank is None else rank, self.world if world is None else world
+        batch_size = self.batch_size if batch_size is None else batch_size
         if (samples, rank, world, batch_size) != (self.position, self.rank, self.world, self.batch_size):
             if self._trace is not None:
                 self._write_trace()

@@ -28,7 +28,7 @@ from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
 from .elastic import plan_batch
-from .replicas import ReplicaSync, copy_into
+from .replicas import ReplicaSync, load_in_place
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Worker:
 
     def _heal(self, live: dict[str, Any]) -> None:
         state = self.core.state()
-        copy_into(state["optim"], live["core"]["optim"])
+        load_in_place(state["optim"], live["core"]["optim"])
         state["model"] = live["core"]["model"]
         self.core.after_load(state)
         self.core.scaler.load_state_dict(live["scaler"])
@@ -152,8 +152,7 @@ class Worker:
         self.progress.initial_val_loss, self.progress.val_loss = (live["progress"]["initial_val_loss"],
                                                                   live["progress"]["val_loss"])
         if self.stream is not None and live["samples"] is not None:
-            s = self.stream
-            s.seek(live["samples"], s.rank, s.world, s.batch_size)
+            self.stream.seek(live["samples"])
         if self.monitor is not None:
             self.monitor.record.remote({"event": "healed", "wall": time.time(), "rank": self.rank,
                                         "step": self.progress.step})
@@ -222,7 +221,7 @@ class Worker:
             stop_flag = 1.0 if self.reporter and self._stop_requested() else 0.0
             if self.sync is not None:
                 if self.sync.manager.current_step() == p.step:  # a replica failed mid-step: redo it
-                    self.stream.seek(start, self.stream.rank, self.stream.world, self.stream.batch_size)
+                    self.stream.seek(start)
                     continue
                 loss_sum, stop = (v * participants for v in self.sync.average([loss, stop_flag]))
             else:

@@ -48,14 +48,14 @@ def torchft_config(backend: str):
     return TorchftConfig(lighthouse_kwargs=lighthouse_kwargs(), backend=backend)
 
 
-def copy_into(dst: Any, src: Any) -> None:
+def load_in_place(dst: Any, src: Any) -> None:
     """Copy a nested state dict's tensors into `dst`'s tensors in place (optimizer state has no setter)."""
     if isinstance(dst, dict):
         for key, value in dst.items():
             if isinstance(value, torch.Tensor):
                 value.copy_(src[key])
             else:
-                copy_into(value, src[key])
+                load_in_place(value, src[key])
 
 
 class ReplicaSync:
