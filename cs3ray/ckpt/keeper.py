@@ -116,6 +116,13 @@ def keeper(node_id: str):
                        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
 
 
+def start_keepers() -> None:
+    """Ask for every alive node's keeper now without waiting for it: the driver calls this as a
+    run starts, so the keepers come up while Ray Train starts its workers, not after."""
+    for node in alive_nodes():
+        keeper(node)
+
+
 class MemoryTier:
     """A rank's view of the keepers: push this rank's chunks, commit, and read snapshots back.
 

@@ -130,6 +130,10 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.
     with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
+        if cfg.checkpoint.memory_tier:
+            from cs3ray.ckpt.keeper import start_keepers
+
+            start_keepers()
         shards, _ = prepare_data(cfg, on_event)
         run.write_text(to_yaml(cfg), "config.yaml")
         log = EventLog(run)
