@@ -154,30 +154,38 @@ def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: d
     folder.write_text(json.dumps(manifest, indent=1, sort_keys=True), MANIFEST)
 
 
-def collect(loc: StorageLocation, keep: int) -> dict[str, int]:
+def collect(loc: StorageLocation, keep: int, sweep: bool = True) -> dict[str, int]:
     """Keep the newest `keep` checkpoints; drop older folders, stale partial ones, unreferenced chunks.
 
     A chunk is deleted only when no remaining complete manifest lists it, so GC never breaks
-    a kept checkpoint. Returns {"folders": n, "chunks": n} deleted.
+    a kept checkpoint. With `sweep` every stored chunk is listed and checked, which also finds
+    the orphans of a save that failed half-way; without it only the chunks of the folders
+    dropped now are candidates (listing every chunk of a large run on each save costs a
+    stored-object listing, and measurably CPU on the training host). A dropped folder whose
+    manifest cannot be read turns a sweep on. Returns {"folders": n, "chunks": n} deleted.
     """
     steps = loc.steps()
     kept = set(steps[-keep:])
     newest = steps[-1] if steps else -1
     removed = {"folders": 0, "chunks": 0}
+    candidates: set[str] = set()
     for name in loc.run.ls():
         m = STEP_RE.match(name)
         if m and int(m.group(1)) not in kept and int(m.group(1)) <= newest:
+            if not sweep:
+                try:
+                    candidates.update(read_manifest(loc.folder(int(m.group(1)))).get("chunks", {}))
+                except (CheckpointError, StorageError):
+                    sweep = True  # a partial or damaged folder: its chunks are only found by listing
             loc.run.child(name).rm()
             removed["folders"] += 1
     live: set[str] = set()
     for s in sorted(kept):
         live.update(read_manifest(loc.folder(s)).get("chunks", {}))
-    for h in loc.store.sizes():
-        if h not in live:
-            loc.store.delete(h)
-            removed["chunks"] += 1
+    for h in sorted((set(loc.store.sizes()) if sweep else candidates) - live):
+        loc.store.delete(h)
+        removed["chunks"] += 1
     return removed
-
 
 
 def open_folder(folder: Storage, deep: bool = False) -> tuple[StorageLocation, int, dict]:

@@ -13,7 +13,8 @@ Layout under the run directory (later tiers extend it, never replace it):
 
 Tiers of one save: (t0) memory: every rank's chunks go to its node's keeper actor and one
 other node's; (t1) the folder above, written in a background thread when async (only the
-copy of the tensors blocks training; large files bypass the page cache, see cs3ray.direct_io);
+copy of the tensors blocks training, with their hashing on a CPU host, see staging; large
+files bypass the page cache, see cs3ray.direct_io);
 (t2) a copy in every `replicas` URL. Format-1 checkpoints (plain `__R_0.distcp` files, no
 chunks) still load.
 """
@@ -126,6 +127,9 @@ class CheckpointManager:
         self.last_restore: Restored | None = None
         self.last_save: dict[str, Any] = {}
         self._known: set[str] = set()  # chunks of this rank's previous checkpoint (all still referenced)
+        # GC lists every stored chunk of a location on this manager's first save there and after
+        # a failed one (orphans of a crash may be there); otherwise it diffs the manifests it drops.
+        self._sweep = {loc.url for loc in (self.primary, *self.replicas)}
         self._pending: Future | None = None
         self._staged = threading.Event()
         self._staged.set()
@@ -170,7 +174,7 @@ class CheckpointManager:
             self._staged.clear()
             staged = self._stager.stage(state)  # the buffers are free: the previous write has finished
             self._staged.set()
-            self._pending = self._pool.submit(self._write, step, staged, *job[2:])
+            self._pending = self._pool.submit(self._write, step, staged, *job[2:], self._stager.digests)
         return self.run.child(step_dir(step)).url
 
     def wait_staged(self) -> None:
@@ -183,13 +187,14 @@ class CheckpointManager:
         if pending is not None:
             pending.result()
 
-    def _write(self, step: int, state: dict, meta: dict, rank_file: bytes, files: dict[str, str]) -> None:
+    def _write(self, step: int, state: dict, meta: dict, rank_file: bytes, files: dict[str, str],
+               digests: dict[tuple[int, int], str] | None = None) -> None:
         group, rank = self._group, _rank()
         folder = self.run.child(step_dir(step))
         if rank == 0 and self.run.exists(step_dir(step)):
             folder.rm()  # an earlier attempt at this step that never got its manifest
         _barrier(group)
-        writer = ChunkWriter(folder, ChunkStore(self.run), self._known if self.incremental else frozenset())
+        writer = ChunkWriter(folder, ChunkStore(self.run), self._known if self.incremental else frozenset(), digests)
         try:
             try:
                 dcp.save(state, storage_writer=writer, process_group=group)
@@ -213,6 +218,7 @@ class CheckpointManager:
             _barrier(group)
         except BaseException:
             self._known = set()  # what this rank wrote may not be referenced by anything
+            self._sweep = {loc.url for loc in (self.primary, *self.replicas)}
             raise
         self._known = set(writer.blobs)
 
@@ -231,10 +237,13 @@ class CheckpointManager:
         for rep in self.replicas:
             try:
                 replicate(self.primary, rep, step, manifest)
-                collect(rep, self.keep)
+                collect(rep, self.keep, sweep=rep.url in self._sweep)
+                self._sweep.discard(rep.url)
             except (StorageError, CheckpointError) as exc:
+                self._sweep.add(rep.url)
                 log.warning("replica '%s' not updated: %s", rep.url, exc)
-        collect(self.primary, self.keep)
+        collect(self.primary, self.keep, sweep=self.primary.url in self._sweep)
+        self._sweep.discard(self.primary.url)
         self.last_save = {"step": step, "bytes_total": total, "bytes_written": writer.new_bytes}
 
     def locations(self) -> list:
@@ -312,3 +321,4 @@ class CheckpointManager:
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
+            self._stager.close()

@@ -83,3 +83,34 @@ def test_staging_buffers_are_page_aligned():
     staged = Stager().stage(_state(3))
     assert staged["model"]["w"].data_ptr() % direct_io.ALIGN == 0
     assert staged["optim"]["state"]["w"]["exp_avg"].data_ptr() % direct_io.ALIGN == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_staging_hashes_host_tensors_and_the_writer_reuses_those_hashes(tmp_path, monkeypatch, threads):
+    import hashlib
+
+    import cs3ray.ckpt.chunks as chunks
+    from cs3ray.ckpt.chunks import blob_key, tensor_blob
+
+    stager = Stager(threads=threads)
+    state = _state(4)
+    staged = stager.stage(state)
+    for t in (staged["model"]["w"], staged["model"]["b"], staged["optim"]["state"]["w"]["exp_avg"]):
+        blob = tensor_blob(t)
+        assert stager.digests[blob_key(blob)] == hashlib.sha256(blob.tobytes()).hexdigest()
+    stager.close()
+
+    # In an async save the background writer hashes only what staging did not (the small pickled
+    # non-tensor items): on a CPU host the tensors' hashes are computed while training waits anyway.
+    hashed: list[int] = []
+    real = chunks.digest
+    monkeypatch.setattr(chunks, "digest", lambda blob: hashed.append(memoryview(blob).nbytes) or real(blob))
+    mgr = CheckpointManager(str(tmp_path / "run"), async_mode="async")
+    state["model"]["big"] = torch.randn(700, 1024)
+    mgr.save(1, state, {"step": 1}, {"torch": torch.get_rng_state()}, {})
+    mgr.close()
+    assert hashed and max(hashed) < 64 * 32 * 4  # no tensor was hashed twice
+    fresh = _state(9)
+    fresh["model"]["big"] = torch.zeros(700, 1024)
+    CheckpointManager(str(tmp_path / "run")).load(fresh)  # every chunk still matches its name
+    assert torch.equal(fresh["model"]["big"], state["model"]["big"])

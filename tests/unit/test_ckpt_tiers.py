@@ -40,7 +40,10 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_incremental_references_unchanged_chunks_and_gc_keeps_referenced(tmp_path):
+def test_incremental_references_unchanged_chunks_and_gc_keeps_referenced(tmp_path, monkeypatch):
+    listings = []
+    real_sizes = ChunkStore.sizes
+    monkeypatch.setattr(ChunkStore, "sizes", lambda self: listings.append(1) or real_sizes(self))
     mgr = CheckpointManager(str(tmp_path / "run"), keep=2)
     model = _model()
     _save(mgr, model, 1)
@@ -56,6 +59,7 @@ def test_incremental_references_unchanged_chunks_and_gc_keeps_referenced(tmp_pat
         model.tok_emb.weight.mul_(2.0)
     _save(mgr, model, 3)  # step 1 is pruned: its chunks that 2 and 3 do not use must go, the rest stay
     assert mgr.steps() == [2, 3]
+    assert len(listings) == 1  # only the first save lists every chunk; later ones diff the manifests
     run = StorageLocation(open_url(str(tmp_path / "run")))
     stored = set(ChunkStore(run.run).sizes())
     live = {h for s in (2, 3) for h in read_manifest(run.folder(s))["chunks"]}
@@ -118,6 +122,8 @@ def test_crash_during_write_leaves_previous_checkpoint_intact(tmp_path, monkeypa
     later = _model(3)
     _save(mgr, later, 3)  # the next save clears the partial folder and its orphan chunks
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["chunks", "step-00000003"]
+    run = StorageLocation(open_url(str(tmp_path / "run")))
+    assert set(ChunkStore(run.run).sizes()) == set(read_manifest(run.folder(3))["chunks"])
     assert _same(_load(mgr)[1], later)
 
 
@@ -181,3 +187,13 @@ def test_export_and_cli(tmp_path):
     assert res.exit_code == 2 and "checksum" in res.output
     res = runner.invoke(app, ["ckpt", "export", str(tmp_path / "run"), "--format", "onnx"])
     assert res.exit_code == 2
+
+
+def test_a_keeper_process_does_not_import_torch():
+    # Keeper actors start on every node of every cluster: importing their module must stay light.
+    import subprocess
+    import sys
+
+    code = "import sys, cs3ray.ckpt.keeper; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
