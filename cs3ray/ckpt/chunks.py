@@ -1,10 +1,18 @@
 """Content-addressed tensor chunks, and the DCP StorageWriter/Reader that store checkpoints in them.
 
 Every DCP write item (a tensor shard or a bytes object) becomes one chunk named by the
-sha256 of its raw bytes, under <run>/chunks/<2 hex>/<sha256>. A chunk that the previous
+XXH3-128 hash of its raw bytes, under <run>/chunks/<2 hex>/<32 hex>. A chunk that the previous
 checkpoint already wrote is referenced, not rewritten, so a fine-tune with frozen layers
 writes little more than what changed. The step folder's `.metadata` maps each item to its
 chunk (builtins only), and the reader checks every chunk's hash before it is used.
+
+Why XXH3-128 and not sha256 (which the manifest keeps for the step folder's own files): the
+name is both the dedup key and the checksum that catches damaged bytes, and a save hashes
+every byte of the state each time. Measured on the 2-core test machine, 681 MB took 0.60 s
+with sha256 and 0.066 s with XXH3-128; on a CPU host that time is taken from training. A
+128-bit hash makes an accidental collision among a run's chunks vanishingly unlikely; the
+chunk store guards against damage, not against someone who can write to it (who could
+rewrite the manifests as well). Chunks named by sha256 (64 hex digits, format 1) still load.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -32,7 +41,15 @@ METADATA = ".metadata"
 
 
 def digest(blob: Any) -> str:
-    return hashlib.sha256(memoryview(blob)).hexdigest()
+    """A chunk's name: the XXH3-128 of its bytes, 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(memoryview(blob))
+
+
+def matches(blob: Any, name: str) -> bool:
+    """Whether `blob` hashes to the chunk name `name` (64 hex digits: a format-1 sha256 name)."""
+    if len(name) == 64:
+        return hashlib.sha256(memoryview(blob)).hexdigest() == name
+    return digest(blob) == name
 
 
 def tensor_blob(t: torch.Tensor) -> np.ndarray:
@@ -66,7 +83,7 @@ def blob_tensor(blob: Any, dtype: str, shape: list[int]) -> torch.Tensor:
 
 
 class ChunkStore:
-    """The chunk folder of one run: put/get by sha256, listing and deletion for GC."""
+    """The chunk folder of one run: put/get by content hash, listing and deletion for GC."""
 
     def __init__(self, run: Storage) -> None:
         self.root = run.child("chunks")
@@ -84,7 +101,7 @@ class ChunkStore:
             blob = self.root.read_bytes(*self.name(h))
         except StorageError as exc:
             raise CheckpointError(f"chunk {h[:12]} is missing: {exc}") from None
-        if digest(blob) != h:
+        if not matches(blob, h):
             raise CheckpointError(f"chunk '{self.root.url}/{h[:2]}/{h}' does not match its checksum (corrupt).")
         return blob
 
@@ -95,7 +112,7 @@ class ChunkStore:
             return {}
         found = self.root.call(lambda: fs.find(root, detail=True), action="list")
         return {posixpath.basename(path): int(info.get("size") or 0) for path, info in found.items()
-                if len(posixpath.basename(path)) == 64 and ".tmp-" not in path}
+                if len(posixpath.basename(path)) in (32, 64) and ".tmp-" not in path}
 
     def delete(self, h: str) -> None:
         """Remove a chunk; one that is already gone counts as removed (GC may meet it twice)."""

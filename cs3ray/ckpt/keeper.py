@@ -6,7 +6,7 @@ one node is gone; a restore that needed such a peer copy says "peer". Keepers ar
 actors: they outlive the worker group that a failure or resize restarts. The keeper `ray.put`s
 the chunks itself, so it owns them and they survive the death of the worker that produced them.
 
-Chunks are named by the sha256 the writer computed from these very bytes when the snapshot was
+Chunks are named by the content hash computed from these very bytes when the snapshot was
 taken; Ray objects are immutable, so a restore checks sizes, not hashes, of memory chunks (the
 small files, `.metadata` included, are still checked against the manifest's sha256).
 """
@@ -26,13 +26,13 @@ MAX_RUNS = 4  # snapshots of this many runs per keeper; the least recently saved
 
 
 class Keeper:
-    """Holds chunks (by sha256) and the small files of each run's newest committed snapshot."""
+    """Holds chunks (by content hash) and the small files of each run's newest committed snapshot."""
 
     def __init__(self) -> None:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.blobs: dict[str, Any] = {}                  # sha256 -> ObjectRef owned by this actor
+        self.blobs: dict[str, Any] = {}                  # chunk name -> ObjectRef owned by this actor
         self.snaps: dict[str, dict[int, dict]] = {}      # run -> step -> {chunks, own, files, manifest}
 
     def node(self) -> str:

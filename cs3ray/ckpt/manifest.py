@@ -14,7 +14,9 @@ from typing import Any
 from cs3ray.errors import UserError
 from cs3ray.storage import Storage
 
-FORMAT_VERSION = 1
+# 2: chunks are named by XXH3-128 (32 hex digits); format-1 folders (sha256-named chunks) still load.
+FORMAT_VERSION = 2
+READS_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -56,9 +58,9 @@ def read_manifest(folder: Storage) -> dict:
         raise CheckpointError(f"'{folder.url}' has no {MANIFEST}: it is not a complete checkpoint.")
     try:
         manifest = json.loads(folder.read_text(MANIFEST))
-        if manifest["format_version"] != FORMAT_VERSION:
+        if manifest["format_version"] not in READS_FORMATS:
             raise CheckpointError(f"'{folder.url}' has checkpoint format {manifest['format_version']}; "
-                                  f"this cs3ray reads format {FORMAT_VERSION}.")
+                                  f"this cs3ray reads formats {', '.join(map(str, READS_FORMATS))}.")
         manifest["files"], manifest["step"]  # noqa: B018 - required keys
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"'{folder.url}/{MANIFEST}' is corrupt.") from None

@@ -5,14 +5,12 @@ save to the next (pinned when the tensors are on a GPU, page-aligned on the host
 files are written from them with O_DIRECT), so a save costs one memcpy instead of fresh
 allocations and page faults. The manager's background thread then writes them.
 
-Tensors that live on the host are also hashed here (each chunk's sha256 names it), by as many
+Tensors that live on the host are also hashed here (each chunk's XXH3-128 names it), by as many
 threads as training uses, while each buffer is still in cache from its copy. On a GPU the host
 cores are idle during a step, so there the background thread hashes; on a CPU host training
-keeps every core busy, and a background hash competes with it for the whole step: measured on
-2 cores with configs/small.yaml, an async save that hashed in the background cost 14.6% of a
-step, because each slice of CPU the writer takes stalls both of training's threads (one waits
-at every parallel region's barrier for the other). Hashing up front at full parallelism costs
-the same CPU once, while training waits anyway.
+keeps every core busy, and background work competes with it for the whole step: each slice of
+CPU the writer takes stalls both of training's threads (one waits at every parallel region's
+barrier for the other). Hashing up front costs the same CPU once, while training waits anyway.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ def test_save_load_keep_and_layout(tmp_path):
     names = {p.name for p in folder.iterdir()}
     assert {"manifest.json", "state.json", "config.yaml", "tokenizer.json", "rank-00000.pt", ".metadata"} <= names
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["step"] == 30 and manifest["world_size"] == 1 and manifest["format_version"] == 1
+    assert manifest["step"] == 30 and manifest["world_size"] == 1 and manifest["format_version"] == 2
     assert set(manifest["files"]) == names - {"manifest.json"}
+    assert manifest["chunks"] and all(len(h) == 32 for h in manifest["chunks"])  # XXH3-128 names
 
     fresh = Transformer(load_config(None).model.args())
     state = {"model": fresh.state_dict()}
@@ -38,6 +39,32 @@ def test_save_load_keep_and_layout(tmp_path):
     assert step == 30 and meta["tokens_seen"] == 300 and "torch" in rank_state
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_format_1_checkpoint_with_sha256_chunk_names_still_loads_and_is_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    import cs3ray.ckpt.chunks as chunks
+    import cs3ray.ckpt.manifest as manifest
+
+    model = Transformer(load_config(None).model.args())
+    with monkeypatch.context() as m:  # what cs3ray wrote before chunks were named by XXH3-128
+        m.setattr(chunks, "digest", lambda blob: hashlib.sha256(memoryview(blob)).hexdigest())
+        m.setattr(manifest, "FORMAT_VERSION", 1)
+        _save(CheckpointManager(str(tmp_path / "run")), model, 5)
+    written = json.loads((tmp_path / "run" / "step-00000005" / "manifest.json").read_text())
+    assert written["format_version"] == 1 and all(len(h) == 64 for h in written["chunks"])
+    fresh = Transformer(load_config(None).model.args())
+    state = {"model": fresh.state_dict()}
+    assert CheckpointManager(str(tmp_path / "run")).load(state)[0] == 5
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    h = max(written["chunks"], key=written["chunks"].get)
+    path = tmp_path / "run" / "chunks" / h[:2] / h
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError):
+        CheckpointManager(str(tmp_path / "run")).load(state)  # its sha256 still guards it
 
 
 def test_folder_without_manifest_is_not_a_checkpoint(tmp_path):
