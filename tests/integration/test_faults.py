@@ -37,7 +37,7 @@ def _wait_for_step(log, step: int) -> int:
 
 def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = _train(ray_head, run_dir, 14, "checkpoint.every=4")
+    proc = _train(ray_head, run_dir, 14, "checkpoint.every=4", "train.batch_size=8")  # half the batch: shorter steps
     log = run_dir / "events.jsonl"
     killed_at = _wait_for_step(log, 6)
     start = [e for e in _events(log) if e["event"] == "start"][-1]

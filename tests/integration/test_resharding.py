@@ -1,25 +1,54 @@
-"""A checkpoint written by FSDP on 2 workers resumes with DDP on 1 worker (and back), loss continuous."""
+"""Resume across strategies and world sizes, end to end: fsdp x 2 workers -> ddp x 1 -> zero1 x 2.
 
+The loss continues where it stopped, and the samples trained on across the three runs are exactly
+the start of the global order, each once (the data position survives every resharding). The
+middle run goes through the Python API (`cs3ray.train.train`), the others through `cs3 train`.
+"""
+
+import collections
+import io
 import json
+import os
 
-from conftest import run_cs3
+import numpy as np
 
+from conftest import ROOT, run_cs3
+from cs3ray.config import load_config
+from cs3ray.data.shards import read_manifest
+from cs3ray.data.stream import GlobalOrder
+
+BATCH = 8  # per worker: half of tiny.yaml's, for shorter steps
 FAST = ["train.log_every=2", "train.eval_every=100", "train.eval_batches=2", "checkpoint.every=100",
-        "train.warmup_steps=2"]
+        "train.warmup_steps=2", f"train.batch_size={BATCH}", "cache.trace=true"]
 
 
 def _events(run_dir):
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def test_fsdp_x2_then_ddp_x1_then_zero1_x2(ray_head, tmp_path):
+def _traced(run_dir) -> list[int]:
+    ids: list[int] = []
+    for f in sorted((run_dir / "data-trace").iterdir()):
+        ids += np.load(io.BytesIO(f.read_bytes())).tolist()
+    return ids
+
+
+def test_fsdp_x2_then_ddp_x1_then_zero1_x2_continues_loss_and_data_order(ray_head, tmp_path):
+    from cs3ray.train import train
+    from cs3ray.train.driver import prepare_data
+
     run_dir = tmp_path / "reshard"
     common = ["configs/tiny.yaml", f"run.dir={run_dir}", *FAST, "--address", ray_head.address, "--json"]
     first = run_cs3(["train", *common, "train.steps=16", "parallel.strategy=fsdp", "cluster.workers=2"],
                     env=ray_head.env(), check=True)
     before = [e for e in _events(run_dir) if e["event"] == "progress"][-1]["loss"]
-    run_cs3(["train", *common, "train.steps=20", "parallel.strategy=ddp", "cluster.workers=1", "--resume"],
-            env=ray_head.env(), check=True)
+
+    for k, v in ray_head.env().items():  # this process becomes a Ray client of the session's head
+        if k.startswith("RAY_") and k != "RAY_ADDRESS":
+            os.environ.setdefault(k, v)
+    middle = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={run_dir}", *FAST, "train.steps=20",
+                                                      "parallel.strategy=ddp", "cluster.workers=1"])
+    assert train(middle, resume=True, address=ray_head.address, quiet=True)["steps"] == 20
     events = _events(run_dir)
     restored = [e for e in events if e["event"] == "restored"]
     assert restored[-1] == {**restored[-1], "step": 16, "from_strategy": "fsdp", "from_world_size": 2}
@@ -27,9 +56,19 @@ def test_fsdp_x2_then_ddp_x1_then_zero1_x2(ray_head, tmp_path):
     initial = json.loads(first.stdout.strip().splitlines()[-1])["initial_val_loss"]
     # The restored model continues where it stopped: nowhere near the untrained loss.
     assert after < before + 0.3 and after < initial - 1.5
+
     third = run_cs3(["train", *common, "train.steps=22", "parallel.strategy=zero1", "cluster.workers=2", "--resume"],
                     env=ray_head.env(), check=True)
     summary = json.loads(third.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 22 and summary["strategy"] == "zero1"
     restored = [e for e in _events(run_dir) if e["event"] == "restored"]
     assert restored[-1]["from_strategy"] == "ddp" and restored[-1]["from_world_size"] == 1
+
+    # Steps x workers x batch of each run: the global batch follows each run's configured workers.
+    seen = _traced(run_dir)
+    consumed = (16 * 2 + 4 * 1 + 2 * 2) * BATCH
+    assert len(seen) == consumed
+    shards, _ = prepare_data(middle)  # the shards the runs trained on (from the data cache)
+    order = GlobalOrder(read_manifest(shards)["splits"]["train"], middle.train.seed, middle.cache.shuffle_window)
+    assert collections.Counter(seen) == collections.Counter(order.ids(0, consumed).tolist())
+    assert len(set(seen)) == consumed  # within one epoch: nothing repeated
