@@ -28,10 +28,13 @@ def main(run_dir: str) -> None:
     doomed = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    # start_timeout_s only bounds the wait for the placement group (Ray Train's worker group start
+    # timeout): placement is immediate while the resources exist, and after the node loss these
+    # 5 s are how long the group asks for its old size before it shrinks.
     cfg = load_config("configs/tiny.yaml", [
         f"run.dir={run_dir}", "train.steps=100000", "train.log_every=2", "train.eval_every=100000",
         "checkpoint.every=2", "cluster.workers={min: 1, max: 2}", "cluster.cpus_per_worker=2",
-        "cluster.resize_interval_s=3", "cluster.start_timeout_s=20", "cluster.max_failures=5", "train.batch_size=8"])
+        "cluster.resize_interval_s=3", "cluster.start_timeout_s=5", "cluster.max_failures=5", "train.batch_size=8"])
     starts: list[dict] = []
     progress: list[dict] = []
 
