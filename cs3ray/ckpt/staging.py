@@ -34,7 +34,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Stager:
     """Copies a state dict's tensors into host buffers reused across saves, hashing the host ones.
 
-    `digests` maps each staged host buffer's (address, size) to the sha256 of its bytes; it is
+    `digests` maps each staged host buffer's (address, size) to its chunk name (content hash); it is
     valid until the next `stage` call, which is when the buffers are overwritten.
     """
 
