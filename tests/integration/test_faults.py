@@ -35,6 +35,7 @@ def _wait_for_step(log, step: int) -> int:
     return max(e["step"] for e in _events(log) if e["event"] == "progress")
 
 
+@pytest.mark.slow
 def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     run_dir = tmp_path / "killed"
     proc = _train(ray_head, run_dir, 14, "checkpoint.every=4", "train.batch_size=8")  # half the batch: shorter steps
@@ -51,6 +52,7 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     assert (run_dir / "step-00000014" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_head, tmp_path):
     run_dir = tmp_path / "replicas"
     proc = _train(ray_head, run_dir, 20, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
