@@ -206,8 +206,14 @@ class Storage:
             return sorted(posixpath.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
         return self.call(listing, *parts, action="list")
 
-    def rm(self, *parts: str) -> None:
-        self.call(lambda: self.fs.rm(self.path(*parts), recursive=True), *parts, action="delete")
+    def rm(self, *parts: str, missing_ok: bool = False) -> None:
+        def remove() -> None:
+            try:
+                self.fs.rm(self.path(*parts), recursive=True)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+        self.call(remove, *parts, action="delete")
 
     def makedirs(self, *parts: str) -> None:
         self.call(lambda: self.fs.makedirs(self.path(*parts), exist_ok=True), *parts, action="create")

@@ -116,14 +116,7 @@ class ChunkStore:
 
     def delete(self, h: str) -> None:
         """Remove a chunk; one that is already gone counts as removed (GC may meet it twice)."""
-        fs, path = self.root.fs, self.root.path(*self.name(h))
-
-        def rm() -> None:
-            try:
-                fs.rm(path)
-            except FileNotFoundError:
-                pass
-        self.root.call(rm, *self.name(h), action="delete")
+        self.root.rm(*self.name(h), missing_ok=True)
 
 
 class ChunkWriter(StorageWriter):

@@ -129,7 +129,7 @@ class CheckpointManager:
         self._known: set[str] = set()  # chunks of this rank's previous checkpoint (all still referenced)
         # GC lists every stored chunk of a location on this manager's first save there and after
         # a failed one (orphans of a crash may be there); otherwise it diffs the manifests it drops.
-        self._sweep = {loc.url for loc in (self.primary, *self.replicas)}
+        self._sweep = self._storage_urls()
         self._pending: Future | None = None
         self._staged = threading.Event()
         self._staged.set()
@@ -140,6 +140,9 @@ class CheckpointManager:
         self._stager = Stager()
         # Background saves talk over their own gloo group, never the training group's stream.
         self._group = dist.new_group(backend="gloo") if self._pool and dist.is_initialized() else None
+
+    def _storage_urls(self) -> set[str]:
+        return {loc.url for loc in (self.primary, *self.replicas)}
 
     @classmethod
     def from_config(cls, run_url: str, cfg: Any) -> "CheckpointManager":
@@ -218,7 +221,7 @@ class CheckpointManager:
             _barrier(group)
         except BaseException:
             self._known = set()  # what this rank wrote may not be referenced by anything
-            self._sweep = {loc.url for loc in (self.primary, *self.replicas)}
+            self._sweep = self._storage_urls()
             raise
         self._known = set(writer.blobs)
 
