@@ -51,8 +51,8 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_direct(path: str, data: Any) -> bool:
-    """Write `data` (any contiguous buffer) to a new file at `path` with O_DIRECT, fsynced.
+def write_direct(path: str, data: Any, fsync: bool = True) -> bool:
+    """Write `data` (any contiguous buffer) to a new file at `path` with O_DIRECT, fsynced unless told not to.
 
     Returns False, having left no file behind, when this platform or filesystem cannot do
     O_DIRECT; other OSErrors propagate (the partial file removed).
@@ -78,7 +78,8 @@ def write_direct(path: str, data: Any) -> bool:
             bounce[part.nbytes:padded] = 0
             _write_all(fd, memoryview(bounce[:padded]))
         os.ftruncate(fd, src.nbytes)  # drop the last block's padding
-        os.fsync(fd)  # the size and block map; the data is already on the device
+        if fsync:
+            os.fsync(fd)  # the size and block map; the data is already on the device
     except OSError as exc:
         os.close(fd)
         os.remove(path)

@@ -93,7 +93,8 @@ class ChunkStore:
         return h[:2], h
 
     def put(self, h: str, blob: Any) -> None:
-        self.root.write_bytes(blob, *self.name(h))
+        """Store a chunk; not yet durable: the save syncs the run's storage once before its manifest."""
+        self.root.write_bytes(blob, *self.name(h), durable=False)
 
     def get(self, h: str) -> bytes:
         """A chunk's bytes, after checking they still hash to its name."""
@@ -173,7 +174,7 @@ class ChunkWriter(StorageWriter):
                 self.chunks[wr.storage_data["chunk"]] = wr.storage_data["size"]
                 self.new_bytes += wr.storage_data["size"] if wr.storage_data["new"] else 0
         metadata.storage_data = storage
-        self.folder.write_bytes(pickle.dumps(metadata), METADATA)
+        self.folder.write_bytes(pickle.dumps(metadata), METADATA, durable=False)
 
     def storage_meta(self) -> StorageMeta | None:
         return None

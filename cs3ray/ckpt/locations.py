@@ -150,7 +150,8 @@ def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: d
             dst.store.put(h, src.store.get(h))
     folder = dst.folder(step)
     for name in manifest["files"]:
-        folder.write_bytes(src.read(step, name, manifest), name)
+        folder.write_bytes(src.read(step, name, manifest), name, durable=False)
+    dst.run.sync()
     folder.write_text(json.dumps(manifest, indent=1, sort_keys=True), MANIFEST)
 
 

@@ -206,15 +206,16 @@ class CheckpointManager:
                 why = str(cause) if isinstance(cause, UserError) else repr(cause)
                 raise CheckpointError(f"checkpoint of step {step} to '{folder.url}' failed: {why}") from None
             rank_name = f"rank-{rank:05d}.pt"
-            folder.write_bytes(rank_file, rank_name)
+            folder.write_bytes(rank_file, rank_name, durable=False)
             small = {}
             if rank == 0:
                 small = {"state.json": json.dumps(meta, indent=1, sort_keys=True).encode(),
                          **{k: v.encode() for k, v in files.items()}}
                 for name, blob in small.items():
-                    folder.write_bytes(blob, name)
+                    folder.write_bytes(blob, name, durable=False)
             if self.memory is not None:
                 self.memory.push(step, writer.blobs, {rank_name: rank_file})
+            self.run.sync()  # everything this rank wrote is durable before rank 0 commits the manifest
             _barrier(group)
             if rank == 0:
                 self._commit(step, folder, meta, files, writer, small)

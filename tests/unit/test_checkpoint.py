@@ -107,3 +107,27 @@ def test_rank_state_loads_with_weights_only(tmp_path):
     _save(mgr, Transformer(load_config(None).model.args()), 3)
     raw = (tmp_path / "run" / "step-00000003" / "rank-00000.pt").read_bytes()
     assert "torch" in torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def test_a_save_fsyncs_only_its_manifest_after_one_sync_of_everything_else(tmp_path, monkeypatch):
+    """Hundreds of chunk files cost one filesystem sync, and the manifest is only written after it."""
+    import os
+
+    import cs3ray.storage as storage
+
+    events: list[str] = []
+    real_sync, real_fsync = storage.sync_filesystem, os.fsync
+    monkeypatch.setattr(storage, "sync_filesystem", lambda path: (events.append("sync"), real_sync(path))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    _save(CheckpointManager(str(tmp_path / "run")), Transformer(load_config(None).model.args()), 1)
+    assert len(events) == 2 and events[0] == "sync" and "manifest.json" in events[1], events
+    assert os.path.isdir(tmp_path / "run" / "chunks")
+
+
+def test_storage_sync_reaches_the_filesystem_and_is_a_no_op_for_object_stores(tmp_path):
+    local = open_url(str(tmp_path / "not-yet" / "created"))
+    local.write_bytes(b"x" * 10, "a", durable=False)
+    local.sync()  # a real syncfs of tmp_path's filesystem
+    open_url(str(tmp_path / "gone")).sync()  # nothing below it yet: its nearest existing folder is synced
+    open_url("memory://cs3-sync-test").sync()
+    assert (tmp_path / "not-yet" / "created" / "a").read_bytes() == b"x" * 10
