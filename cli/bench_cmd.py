@@ -58,6 +58,19 @@ def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch
          [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12)], r, as_json)
 
 
+@app.command("disk")
+@user_errors
+def disk_cmd(path: Optional[str] = typer.Option(None, "--path", help="Folder on the disk to test (default: the temp folder)."),
+             mb: int = typer.Option(512, min=8, help="MB written per round, as checkpoint chunk files."),
+             quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Compute a checkpoint-sized write takes from training on this host: GEMMs beside a write vs. alone."""
+    from cs3ray.bench import disk
+
+    r = disk.run(path, mb, quick=quick, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"disk write beside compute ({r['write_mb']} MB in {r['files']} files, {r['threads']} threads)",
+         ["measure", "unit", "value"], disk.rows(r), {k: r[k] for k in disk.JSON_KEYS}, as_json)
+
+
 @app.command("cache")
 @user_errors
 def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB of token shards."),
