@@ -57,6 +57,20 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def _worker_peak(dtype: torch.dtype, threads: int, device: str) -> float:
+    """The matmul peak of one worker, measured by every rank at the same moment.
+
+    A rank that measured while another was still starting up (importing, building its model)
+    shared its cores and got a low peak, which inflated MFU past 1 (seen: 1.06 and 1.55 with 2
+    workers on 2 cores). After a barrier every rank measures while the others do the same,
+    each on the cores it reserved; the highest figure is used, so one disturbed rank cannot
+    lower it.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    return max(_all_gather(measure_peak(dtype, threads, size=1024, seconds=0.5, device=device)))
+
+
 class Worker:
     """One rank: builds the compute core, restores state, and runs steps, evals and checkpoints."""
 
@@ -102,8 +116,7 @@ class Worker:
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
         # MFU is against the peak of this worker's own device and thread count, measured here.
-        self.peak_flops = measure_peak(compute_dtype(self.core.precision), self.threads, size=1024, seconds=0.5,
-                                       device=self.device.type)
+        self.peak_flops = _worker_peak(compute_dtype(self.core.precision), self.threads, self.device.type)
 
     def _val_slice(self, shards_url: str) -> list[np.ndarray]:
         """This data-parallel rank's share of the fixed validation batches (the same every eval).

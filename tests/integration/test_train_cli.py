@@ -35,6 +35,7 @@ def test_train_learns_checkpoints_and_summarises(trained):
     assert summary["steps"] == STEPS and summary["workers"] == 2
     assert summary["final_val_loss"] < 0.75 * summary["initial_val_loss"]
     assert summary["tokens_per_s"] > 0
+    assert 0 < summary["mfu"] <= 1  # against a peak every worker measured at the same moment
     assert summary["checkpoint"].endswith(f"step-{STEPS:08d}")
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000020", f"step-{STEPS:08d}"]
