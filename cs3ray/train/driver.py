@@ -86,8 +86,10 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
     """The run summary written to summary.json and printed by the CLI."""
     end = next((e for e in reversed(events) if e["event"] == "end"), {})
     progress = [e for e in events if e["event"] == "progress"]
-    # The first window includes start-up and compilation, so leave it out of the rate when we can.
-    steady = progress[1:] or progress
+    # The first window includes start-up and compilation, and one window holds the step whose
+    # memory was tracked (torch's MemTracker hooks every op: +30-115% on that step, measured), so
+    # leave both out of the rate when other windows remain.
+    steady = [e for e in progress[1:] if not e.get("memory_tracked")] or progress[1:] or progress
     tps = sum(e["tokens_per_s"] for e in steady) / len(steady) if steady else 0.0
     mfu = sum(e.get("mfu", 0.0) for e in steady) / len(steady) if steady else 0.0
     start = next((e for e in reversed(events) if e["event"] == "start"), {})

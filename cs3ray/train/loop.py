@@ -219,6 +219,7 @@ class Worker:
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
         first_step = p.step
+        tracked = False  # this log window holds the step measured for peak memory
         participants = self.world
         while p.step < t.steps:
             t0 = time.perf_counter()
@@ -230,7 +231,9 @@ class Worker:
             # An async snapshot must finish copying the weights before the optimizer changes them.
             self.ckpt.wait_staged()
             # The second step is measured for peak memory (the first one allocates optimizer state lazily).
-            loss, ok = self.core.step(next_batch, lr, track_memory=p.step == first_step + 1)
+            track = p.step == first_step + 1
+            tracked = tracked or track
+            loss, ok = self.core.step(next_batch, lr, track_memory=track)
             stop_flag = 1.0 if self.reporter and self._stop_requested() else 0.0
             if self.sync is not None:
                 if self.sync.manager.current_step() == p.step:  # a replica failed mid-step: redo it
@@ -252,8 +255,8 @@ class Worker:
                 self._event("progress", step=p.step, loss=loss_sum / participants, step_time_s=step_time,
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
-                            loss_scale=self.core.scaler.scale, workers=participants)
-                window_t, window_steps = time.perf_counter(), 0
+                            loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked)
+                window_t, window_steps, tracked = time.perf_counter(), 0, False
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
                 self._event("eval", step=p.step, val_loss=p.val_loss)

@@ -44,3 +44,17 @@ def test_compile_and_activation_checkpointing_match_eager(flag):
     eager = run_core(["precision=fp32"], 0, 1, batches)["losses"]
     other = run_core(["precision=fp32", flag], 0, 1, batches)["losses"]
     assert other == pytest.approx(eager, abs=1e-4)
+
+
+def test_the_run_rate_leaves_out_the_first_window_and_the_memory_tracked_step(tmp_path):
+    from cs3ray.config import load_config
+    from cs3ray.storage import open_url
+    from cs3ray.train.driver import summarize
+
+    def window(tps, mfu_, tracked=False):
+        return {"event": "progress", "tokens_per_s": tps, "mfu": mfu_, "loss": 1.0, "memory_tracked": tracked}
+    events = [window(10, 0.1), window(50, 0.2, tracked=True), window(100, 0.4), window(120, 0.6)]
+    s = summarize(load_config(None), open_url(str(tmp_path)), events, 1.0)
+    assert s["tokens_per_s"] == 110 and s["mfu"] == 0.5
+    # With nothing else left, the tracked window still counts rather than no rate at all.
+    assert summarize(load_config(None), open_url(str(tmp_path)), events[:2], 1.0)["tokens_per_s"] == 50
