@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -130,6 +131,7 @@ def sync_filesystem(path: str) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> Any:
     try:
         return ctypes.CDLL(None, use_errno=True)

@@ -94,8 +94,11 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         data = read_split(shards, manifest, "train")
     flops_per_token = train_flops_per_token(base.model.args(), base.train.seq_len)
     precision = resolve_precision(base.precision, "cpu")
-    peak = measure_peak(compute_dtype(precision), threads, size=1024 if quick else 2048,
-                        seconds=0.5 if quick else 2.0)
+
+    def bench_peak(n_threads: int) -> float:
+        return measure_peak(compute_dtype(precision), n_threads, size=1024 if quick else 2048,
+                            seconds=0.5 if quick else 2.0)
+    peak = bench_peak(threads)
     log(f"peak {precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
 
     if not quick:
@@ -132,14 +135,11 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
             log(f"  {r['tokens_per_s']:,.0f} tokens/s, state {mem.get('state_bytes', 0) / 1e6:.1f} MB/worker")
     # The machine's speed can drift over a run (shared hosts): the peak is the best of a
     # measurement before the modes and one after, so no MFU is computed against a slow moment.
-    peak = max(peak, measure_peak(compute_dtype(precision), threads, size=1024 if quick else 2048,
-                                  seconds=0.5 if quick else 2.0))
+    peak = max(peak, bench_peak(threads))
     # Every MFU here is against peaks this process measured (the 2-worker runs: the peak of one
     # worker's thread count, times 2). Session 8 saw workers measure their own peak at ~60% of
     # this process's figure, which put their reported MFU above 1; theirs is kept beside it.
-    worker_threads = max(1, threads // 2)
-    peak_per_worker = max(measure_peak(compute_dtype(precision), worker_threads, size=1024 if quick else 2048,
-                                       seconds=0.5 if quick else 2.0) for _ in range(2))
+    peak_per_worker = max(bench_peak(max(1, threads // 2)) for _ in range(2))
     for r in results.values():
         r["mfu"] = mfu(r["tokens_per_s"], flops_per_token, 2, peak_per_worker)
     ddp_state = results["ddp"]["state_bytes_per_worker"] or 1
