@@ -33,7 +33,11 @@ class CachedShardsDatasource(Datasource):
 
         def make(entry: dict) -> ReadTask:
             def read():
-                data = node_cache(url, options, entries, cfg).get(entry["file"])
+                cache = node_cache(url, options, entries, cfg)
+                data = cache.get(entry["file"])
+                # A read task may be this worker's last for a long while: write its counters now
+                # (one small file per shard read), not only every few seconds.
+                cache.writer.flush()
                 yield pq.read_table(io.BytesIO(data), columns=[TOKEN_COLUMN])
 
             meta = BlockMetadata(num_rows=entry["samples"], size_bytes=entry["bytes"],
