@@ -25,20 +25,31 @@ def global_batches(steps: int, rows: int, seq: int = 16, seed: int = 0) -> list[
 
 
 def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarray], node_ids=None,
-             inject_inf_at: int | None = None) -> dict[str, Any]:
-    """Train on `batches` (global batches, split by data-parallel rank); return losses and memory."""
+             inject_inf_at: int | None = None, inject_rank: int | None = None) -> dict[str, Any]:
+    """Train on `batches` (global batches, split by data-parallel rank); return losses and memory.
+
+    inject_inf_at: the step whose gradients overflow; on every rank, or with inject_rank only on that one
+    (the others must still skip the step: the overflow check is collective).
+    """
     cfg = load_config(None, MODEL + [f"cluster.workers={world}"] + overrides)
     topo = Topology(rank, world, cfg.parallel.tp, tuple(node_ids or ["n0"] * world))
     core = ComputeCore(cfg, torch.device("cpu"), topo)
-    losses, applied = [], []
+    losses, applied, hook = [], [], None
     for i, gb in enumerate(batches):
         per = len(gb) // topo.dp
         local = gb[topo.dp_rank * per:(topo.dp_rank + 1) * per]
-        if inject_inf_at == i:
+        if inject_inf_at == i and inject_rank is None:
             # Make every gradient inf on this step by scaling a weight to overflow in fp16.
             for p in core.params:
                 p.register_hook(lambda g: torch.full_like(g, float("inf")))
+        elif inject_inf_at == i and rank == inject_rank:
+            # Overflow the gradient of this rank's logits: works whatever wraps the parameters.
+            def overflow(_module, _inputs, out):
+                out.register_hook(lambda g: torch.full_like(g, float("inf")))
+            hook = core.model.register_forward_hook(overflow)
         loss, ok = core.step(lambda: local, lr=cfg.train.lr, track_memory=(i == 1))
+        if hook is not None:
+            hook.remove()
         t = torch.tensor([loss], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(t)
@@ -54,14 +65,14 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
             "trainable": len({id(p) for p in core.model.parameters()})}
 
 
-def _entry(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]], batches, out):
+def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
-        for name, overrides in jobs:
-            results[name] = run_core(overrides, rank, world, batches)
+        for name, overrides, *options in jobs:
+            results[name] = run_core(overrides, rank, world, batches[:3] if options else batches, **(options or [{}])[0])
     except Exception:  # noqa: BLE001 - reported to the parent
         results["error"] = traceback.format_exc()
     finally:
@@ -69,8 +80,9 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]], 
     out.put((rank, results))
 
 
-def run_distributed(jobs: list[tuple[str, list[str]]], batches, world: int = 2) -> dict[str, dict]:
-    """Run several (name, overrides) jobs one after another in `world` processes; rank 0's results."""
+def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dict]:
+    """Run several (name, overrides[, run_core options]) jobs one after another in `world` processes;
+    rank 0's and rank 1's results. A job with options (an injected overflow) runs on the first 3 batches."""
     from cluster_harness import free_port
 
     ctx = mp.get_context("spawn")

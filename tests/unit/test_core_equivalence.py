@@ -19,6 +19,10 @@ def distributed(single):
     jobs = [(f"{s}-{prec}", [f"parallel.strategy={s}", f"precision={prec}"])
             for s in ("ddp", "zero1", "fsdp") for prec in ("fp32", "bf16")]
     jobs += [("tp-fp32", ["parallel.tp=2", "precision=fp32"]), ("tp-bf16", ["parallel.tp=2", "precision=bf16"])]
+    # fp16 under each layout, rank 1's gradients overflowing on the 3rd step.
+    jobs += [(f"{name}-fp16", [layout, "precision=fp16"], {"inject_inf_at": 2, "inject_rank": 1})
+             for name, layout in (("ddp", "parallel.strategy=ddp"), ("zero1", "parallel.strategy=zero1"),
+                                  ("fsdp", "parallel.strategy=fsdp"), ("tp", "parallel.tp=2"))]
     return run_distributed(jobs, batches, world=2)
 
 
@@ -56,6 +60,14 @@ def test_checkpoint_state_after_eval_covers_every_parameter(distributed, strateg
     # FSDP2 leaves the root gathered after a forward without backward; capture must still see shards.
     r = distributed["rank0"][f"{strategy}-fp32"]
     assert r["optim_entries_after_eval"] == r["trainable"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "tp"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(distributed, strategy):
+    for rank in ("rank0", "rank1"):
+        r = distributed[rank][f"{strategy}-fp16"]
+        assert r["applied"] == [True, True, False], (strategy, rank, r["applied"])
+        assert r["skipped"] == 1 and r["scale"] == 2.0 ** 15, (strategy, rank)
 
 
 def test_fp16_inf_step_is_skipped_and_scale_backs_off():
