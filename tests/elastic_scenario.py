@@ -48,14 +48,17 @@ def main(run_dir: str) -> None:
     def trained_with(workers: int, checkpoints: int = 1, timeout: float = 300) -> None:
         """Wait until the current group has `workers` workers and has taken a checkpoint since it started."""
         deadline = time.time() + timeout
-        while time.time() < deadline:
+        while time.time() < deadline and runner.is_alive():
             live = [i for i, s in enumerate(starts) if s["event"] == "start"]
             if live and starts[live[-1]]["workers"] == workers:
                 done = [p for p in progress if p["starts"] > live[-1] and p["event"] == "checkpoint"]
                 if len(done) >= checkpoints:
                     return
             time.sleep(0.5)
-        raise TimeoutError(f"never trained with {workers} workers")
+        # Say what was seen: which groups started, and the last progress, so a failure can be read.
+        why = "training stopped" if not runner.is_alive() else f"not within {timeout:g} s"
+        raise TimeoutError(f"never trained with {workers} workers ({why}); starts: {starts}; "
+                           f"last progress: {progress[-3:]}")
 
     stop = threading.Event()
     result: dict = {}

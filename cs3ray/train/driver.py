@@ -25,14 +25,6 @@ class TrainingError(RuntimeError):
 
 
 POLL_S = 1.0  # seconds between the driver's reads of the workers' progress events
-# Ray starts its worker processes at nice 15, so that its own daemons stay responsive. A training
-# worker then loses a core to anything at nice 0 that wakes up (CFS weights 36 vs 1024), and an
-# OpenMP thread that loses its core stalls the others at the next barrier. Measured on 2 cores
-# (small.yaml): a 2048^2 GEMM inside a Train worker at 120 GFLOP/s vs 147 at nice 0, and a
-# 1-worker cs3ray run at 0.72-0.85 of the same loop in a plain process. Training workers run at
-# the priority a plain PyTorch process has (Ray reads this variable when a worker starts);
-# cs3ray's helper actors (monitor, memory keepers) keep Ray's default.
-WORKER_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def _run_has_content(run: Storage) -> bool:
@@ -157,8 +149,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             scaling_config=_scaling(cfg),
             torch_config=torch_config,
             run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}",
-                                 failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-                                 worker_runtime_env=WORKER_RUNTIME_ENV),
+                                 failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
             # No `datasets=`: workers read their exact slice of the global order through the
             # node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
         )
