@@ -72,7 +72,7 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
     results = {}
     try:
         for name, overrides, *options in jobs:
-            results[name] = run_core(overrides, rank, world, batches[:3] if options else batches, **(options or [{}])[0])
+            results[name] = run_core(overrides, rank, world, batches, **(options[0] if options else {}))
     except Exception:  # noqa: BLE001 - reported to the parent
         results["error"] = traceback.format_exc()
     finally:
@@ -82,7 +82,7 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
 
 def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dict]:
     """Run several (name, overrides[, run_core options]) jobs one after another in `world` processes;
-    rank 0's and rank 1's results. A job with options (an injected overflow) runs on the first 3 batches."""
+    rank 0's and rank 1's results."""
     from cluster_harness import free_port
 
     ctx = mp.get_context("spawn")

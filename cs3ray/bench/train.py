@@ -117,8 +117,10 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     common = [f"train.steps={total}", f"train.log_every={warmup}" if warmup else "train.log_every=1",
               f"train.eval_every={total}", "train.eval_batches=1", f"checkpoint.every={total}", "checkpoint.keep=1"]
     results: dict[str, Any] = {}
+    def cluster():
+        return ray_cluster(None, num_cpus=threads + 4, quiet=True)
     with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root:
-        with ray_cluster(None, num_cpus=threads + 4, quiet=True):
+        with cluster():
             log("cs3ray, 1 worker")
             one = _cs3_run(config, common + ["cluster.workers=1", f"cluster.cpus_per_worker={threads}",
                                              f"train.batch_size={batch}"], root, "one")
@@ -129,7 +131,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         log("plain PyTorch loop (the peer), again")
         peer_runs.append(plain_loop(base, data, threads, warmup, steps))
         log(f"  {peer_runs[1]:,.0f} tokens/s")
-        with ray_cluster(None, num_cpus=threads + 4, quiet=True):
+        with cluster():
             for strategy in STRATEGIES:
                 log(f"cs3ray, 2 workers, {strategy}")
                 r = _cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
