@@ -19,10 +19,15 @@ import sys
 # Our routes never block the event loop (the engine is another process), so Serve's extra
 # thread + loop for user code only adds a cross-thread hop to every chunk.
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-# The HTTP proxy forwards requests and streams chunks back over gRPC instead of Ray actor calls
-# (Serve's "throughput optimized" data plane; direct ingress, which drops the proxy, is left off:
-# it serves each replica on a port of its own instead of the one the user asked for).
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# The HTTP proxy forwards requests and streams chunks back over gRPC instead of Ray actor calls,
+# and routes them on its own event loop instead of a second thread's, which saves every chunk a
+# hop between threads (both from Serve's "throughput optimized" mode; its direct ingress, which
+# drops the proxy, is left off: it serves each replica on a port of its own instead of the one
+# the user asked for). Measured, c=16, 4 rounds each: the proxy took 0.31 of a core instead of
+# 0.39 and the replica decoded 977-1,381 tokens/s instead of 775-1,224. The router switch also
+# reaches handles made in the cluster's other processes, which must then call them from async
+# code: none of ours does; on a shared cluster of your own, export only the first.
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 SWITCH_INTERVAL_S = 0.0002
 
 

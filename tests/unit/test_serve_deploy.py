@@ -56,6 +56,7 @@ def test_cluster_env_keeps_what_the_user_set(monkeypatch):
     monkeypatch.delenv("RAY_SERVE_PROXY_USE_GRPC")
     export_cluster_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"  # the proxy routes on its own loop
 
 
 def test_user_errors(tmp_path):
