@@ -3,7 +3,7 @@
 Serve reads these switches from environment variables when its processes start, so they are
 set in two places: the replica's (its runtime_env, on any cluster) and the proxy's (the
 environment of an embedded cluster's processes; on a cluster started with `ray start`, export
-them before starting it). Measured with `cs3 bench serve` on 2 cores, tiny model, concurrency
+them before starting it, minding CLUSTER_ENV's note on the router switch). Measured with `cs3 bench serve` on 2 cores, tiny model, concurrency
 16, continuous batching: 873 tokens/s by default, 1,005 with the replica's user code on its
 main event loop, 1,237 with the proxy also talking gRPC to the replica (each streamed chunk
 otherwise costs a Ray actor-call round trip in both processes); p99 inter-chunk gap 101 -> 55-94 ms
