@@ -9,6 +9,7 @@ queueing): offered concurrency C is turned into a rate by Little's law, C / (unl
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import time
@@ -120,5 +121,15 @@ async def _run(url: str, model: str, items: list[Item], timeout: float) -> dict:
 
 
 def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) -> dict:
-    """Replay `items` against url's /v1/completions; throughput and latency percentiles."""
-    return asyncio.run(_run(url, model, items, timeout))
+    """Replay `items` against url's /v1/completions; throughput and latency percentiles.
+
+    The heap loaded so far is frozen out of the garbage collector first: in a driver that has
+    imported torch, Ray and Serve, a full collection walked it for ~250 ms mid-run (measured),
+    a stall of the load generator that the percentiles would have charged to the server.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        return asyncio.run(_run(url, model, items, timeout))
+    finally:
+        gc.unfreeze()
