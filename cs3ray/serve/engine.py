@@ -1,7 +1,7 @@
 """Iteration-level continuous batching (as in Orca / vLLM) for one replica.
 
-Every step: admit waiting requests while the KV budget allows, prefill them, then run one
-decode step over every running sequence together. Sequences join and leave between steps, so a
+Every step: admit waiting requests while the KV budget allows, then run one forward that
+prefills them and decodes a token for every running sequence together. Sequences join and leave between steps, so a
 short request never waits for a long one, unlike request-level batching.
 The engine is plain Python + torch (no Ray): a thread runs `loop()`, callers `submit()`.
 """
@@ -19,7 +19,7 @@ import torch
 
 from cs3ray.models import Transformer
 
-from .forward import pack, ragged_forward
+from .forward import Decode, Prefill, pack, ragged_forward
 from .kv import SlotCache
 from .sequence import Event, GenRequest, Sequence
 
@@ -171,11 +171,9 @@ class Engine:
             req.emit(Event("", "cancelled", len(req.prompt_ids)))
         for seq in [s for s in self.running if id(s.req) in cancelled]:
             self._finish(seq, "cancelled")
-        if admitted:
-            self._prefill(admitted)
         decoding = [s for s in self.running if s.pending is not None and s not in admitted]
-        if decoding:
-            self._decode(decoding)
+        if decoding or admitted:
+            self._forward(decoding, admitted)
         self.steps += 1
         self.metrics.queue(len(self.waiting), len(self.running))
         self.busy_s += time.perf_counter() - t0
@@ -194,40 +192,33 @@ class Engine:
             admitted.append(seq)
         return admitted
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Every admitted prompt in one forward, right-padded to the longest.
-
-        Padding writes keys at positions past a prompt's end; decode steps overwrite them
-        before anything may see them (a query sees only positions up to its own).
-        """
+    def _forward(self, decoding: list[Sequence], admitted: list[Sequence]) -> None:
+        """One forward for the step: a token for each running sequence, and the admitted prompts."""
         device = self.cache.k.device
-        lengths = [len(s.req.prompt_ids) for s in seqs]
-        t = max(lengths)
-        tokens = torch.tensor([s.req.prompt_ids + [0] * (t - n) for s, n in zip(seqs, lengths)], device=device)
-        positions = torch.arange(t, device=device).expand(len(seqs), t)
-        slots = torch.tensor([s.slot for s in seqs], device=device)
-        last = torch.tensor([n - 1 for n in lengths], device=device)
-        logits = ragged_forward(self.model, tokens, positions, slots, self.cache, last)
+        decode = prefill = None
+        if decoding:
+            decoding.sort(key=lambda s: s.slot)  # consecutive slots let the cache hand out views
+            decode = Decode(torch.tensor([s.pending for s in decoding], device=device),
+                            torch.tensor([s.position for s in decoding], device=device),
+                            torch.tensor([s.slot for s in decoding], device=device))
+        if admitted:
+            lengths = [len(s.req.prompt_ids) for s in admitted]
+            t = max(lengths)
+            prefill = Prefill(torch.tensor([s.req.prompt_ids + [0] * (t - n) for s, n in zip(admitted, lengths)],
+                                           device=device),
+                              torch.tensor(lengths, device=device),
+                              torch.tensor([s.slot for s in admitted], device=device))
+        logits = ragged_forward(self.model, self.cache, decode, prefill)
         now = time.perf_counter()
-        for s, n in zip(seqs, lengths):
-            s.position = n
-            self.metrics.ttft(now - s.req.arrived)
-            self._last_token_at[id(s)] = now
-        self._sample(seqs, logits)
-
-    def _decode(self, seqs: list[Sequence]) -> None:
-        device = self.cache.k.device
-        seqs.sort(key=lambda s: s.slot)  # consecutive slots let the cache hand out views
-        tokens = torch.tensor([[s.pending] for s in seqs], device=device)
-        positions = torch.tensor([[s.position] for s in seqs], device=device)
-        slots = torch.tensor([s.slot for s in seqs], device=device)
-        logits = ragged_forward(self.model, tokens, positions, slots, self.cache)
-        now = time.perf_counter()
-        for s in seqs:
+        for s in decoding:
             s.position += 1
             self.metrics.itl(now - self._last_token_at.get(id(s), now))
             self._last_token_at[id(s)] = now
-        self._sample(seqs, logits)
+        for s in admitted:
+            s.position = len(s.req.prompt_ids)
+            self.metrics.ttft(now - s.req.arrived)
+            self._last_token_at[id(s)] = now
+        self._sample(decoding + admitted, logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         picks = [0] * len(seqs)

@@ -9,6 +9,7 @@ angles and the causal mask are taken per row instead of from one shared cache le
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,53 +49,97 @@ def _packed(linear: torch.nn.Linear) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) as complex numbers; x (b, t, heads, head_dim), cis (b, t, 1, head_dim/2)."""
+    """Rotate pairs (x[2i], x[2i+1]) as complex numbers; x (tokens, heads, head_dim), cis (tokens, 1, head_dim/2)."""
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
 
 
-@torch.inference_mode()
-def ragged_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   cache: SlotCache, last: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits of the last token of each row (or of column `last[i]` of row i, for right-padded rows).
+@dataclass(frozen=True)
+class Decode:
+    """Rows that each add one token: the token, its position and the row's cache slot, all (rows,)."""
 
-    tokens, positions: (batch, seq) with positions consecutive per row (a decode step has seq 1,
-    a prefill has the prompts, right-padded); slots: (batch,). Keys/values are written to the
-    cache first, then every query attends to its own slot's keys at positions <= its own.
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Whole prompts from position 0: tokens (rows, longest) right-padded, their lengths and slots (rows,)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+
+
+@torch.inference_mode()
+def ragged_forward(model: Transformer, cache: SlotCache, decode: Decode | None = None,
+                   prefill: Prefill | None = None) -> torch.Tensor:
+    """Logits (decode rows, then prefill rows) of the last token of every row, in one pass.
+
+    Decode and prefill rows go through the model together as one flat list of tokens, so an
+    engine step that admits a prompt runs the layers' ~100 ops once, not twice: on a small model
+    on CPU those ops' fixed cost is about half a decode step. Only attention is split: a decode
+    row attends to its slot's cached keys at positions <= its own; a prompt attends causally to
+    its own keys (its positions start at 0, so the cache holds nothing else it may see). Every
+    new key/value is written to the row's slot first. Padding of a shorter prompt writes keys
+    past its end; later decode steps overwrite them before anything may see them.
     """
     pack(model)
     args = model.args
-    b, t = tokens.shape
     nh, nkv, hd = args.n_heads, args.kv_heads, args.head_dim
-    cis = torch.complex(model.rope_cos[positions], model.rope_sin[positions]).unsqueeze(2)
-    span = int(positions.max()) + 1
-    # Key j is visible to a query at position p iff j <= p; later cache entries of a reused
-    # slot hold stale keys of an earlier sequence (or a padded prompt's), and the mask keeps them out.
-    visible = (torch.arange(span, device=tokens.device).view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)
-    where = cache.index(slots, positions)
-    h = model.tok_emb(tokens)
+    rep = nh // nkv
+    device = cache.k.device
+    d = 0 if decode is None else decode.tokens.shape[0]
+    p, t = (0, 0) if prefill is None else prefill.tokens.shape
+    tokens, positions, slots = [], [], []
+    if d:
+        tokens.append(decode.tokens)
+        positions.append(decode.positions)
+        slots.append(decode.slots)
+    if p:
+        tokens.append(prefill.tokens.reshape(-1))
+        positions.append(torch.arange(t, device=device).repeat(p))
+        slots.append(prefill.slots.repeat_interleave(t))
+    tokens_, positions_ = torch.cat(tokens), torch.cat(positions)
+    where = cache.index(torch.cat(slots), positions_)
+    cis = torch.complex(model.rope_cos[positions_], model.rope_sin[positions_]).unsqueeze(1)
+    if d:
+        span = int(decode.positions.max()) + 1
+        first = cache.first_of(decode.slots)
+        # Additive mask, one row per (sequence, kv head): key j is visible iff j <= position;
+        # later entries of a reused slot hold stale keys of an earlier sequence.
+        hidden = torch.arange(span, device=device).view(1, span) > decode.positions.view(d, 1)
+        bias = torch.zeros(d, span, dtype=cache.k.dtype, device=device).masked_fill_(hidden, float("-inf"))
+        bias = bias.unsqueeze(1).expand(d, nkv, span).reshape(d * nkv, 1, span)
+    scale = 1.0 / math.sqrt(hd)
+    h = model.tok_emb(tokens_)
     for i, block in enumerate(model.blocks.values()):
         attn, ffn = block.attn, block.ffn
         x = F.rms_norm(h, (args.dim,), block.attn_norm.weight, block.attn_norm.eps)
-        qkv = F.linear(x, _packed(attn.wq)).view(b, t, nh + 2 * nkv, hd)
-        qk = _rope(qkv[:, :, :nh + nkv], cis)
-        q, k, v = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv:].transpose(1, 2)
+        qkv = F.linear(x, _packed(attn.wq)).view(-1, nh + 2 * nkv, hd)
+        qk = _rope(qkv[:, :nh + nkv], cis)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         cache.write(i, where, k, v)
-        keys, values = cache.read(i, slots, span)
-        rep = nh // nkv
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        q = q.to(keys.dtype)  # attention runs in the cache's dtype (fp32 on CPU, see SlotCache)
-        if t == 1:
-            # A decode step: one query per row; plain matmuls beat the fused kernel at this shape.
-            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(hd))
-            scores.masked_fill_(~visible, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), values)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-        h = h + attn.wo(out.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
+        outs = []
+        if d:
+            # One query per row: plain batched matmuls (the fused kernel is slower at this shape),
+            # grouped by kv head so grouped-query attention needs no repeated keys.
+            keys, values = cache.read(i, decode.slots, span, first)
+            qd = q[:d].to(keys.dtype).reshape(d * nkv, rep, hd)
+            scores = torch.baddbmm(bias, qd, keys.reshape(d * nkv, span, hd).transpose(1, 2), alpha=scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(d * nkv, span, hd))
+            outs.append(out.view(d, nh * hd).to(x.dtype))
+        if p:
+            # Attention in the cache's dtype, as decode steps will read these keys later.
+            qp, kp, vp = (z[d:].to(cache.k.dtype).view(p, t, -1, hd).transpose(1, 2) for z in (q, k, v))
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=rep > 1)
+            outs.append(out.transpose(1, 2).reshape(p * t, nh * hd).to(x.dtype))
+        h = h + attn.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
         x = F.rms_norm(h, (args.dim,), block.ffn_norm.weight, block.ffn_norm.eps)
         gate, up = F.linear(x, _packed(ffn.w1)).chunk(2, dim=-1)
         h = h + ffn.w2(F.silu(gate) * up)
-    h = h[:, -1] if last is None else h[torch.arange(b, device=h.device), last]
+    if p:  # each prompt's last real token
+        last = d + torch.arange(p, device=device) * t + prefill.lengths - 1
+        h = h[torch.cat([torch.arange(d, device=device), last])] if d else h[last]
     return model.output(F.rms_norm(h, (args.dim,), model.norm.weight, model.norm.eps))

@@ -77,26 +77,37 @@ class SlotCache:
         heapq.heappush(self._free, src)
 
     def index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row numbers, in a layer's (slot, head, position) rows, of each row's positions:
-        (batch * kv_heads * seq,), in the order of k.reshape(-1, head_dim) for k (batch, kv_heads, seq, head_dim).
+        """Flat row numbers, in a layer's (slot, head, position) rows, of tokens at (slots[i], positions[i]):
+        (tokens * kv_heads,), in the order of k.reshape(-1, head_dim) for k (tokens, kv_heads, head_dim).
 
         Computed once per forward, it turns every layer's cache write into one index_copy_.
         """
         _, _, heads, length, _ = self.k.shape
-        heads_ = torch.arange(heads, device=slots.device).view(1, heads, 1)
-        return ((slots.view(-1, 1, 1) * heads + heads_) * length + positions.unsqueeze(1)).reshape(-1)
+        heads_ = torch.arange(heads, device=slots.device).view(1, heads)
+        return ((slots.view(-1, 1) * heads + heads_) * length + positions.view(-1, 1)).reshape(-1)
 
     def write(self, layer: int, where: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v of shape (batch, kv_heads, seq, head_dim) at the rows `where` (see index)."""
+        """Store k, v of shape (tokens, kv_heads, head_dim) at the rows `where` (see index)."""
         d = k.shape[-1]
         self.k[layer].view(-1, d).index_copy_(0, where, k.reshape(-1, d).to(self.k.dtype))
         self.v[layer].view(-1, d).index_copy_(0, where, v.reshape(-1, d).to(self.v.dtype))
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the given slots up to `length` positions: (batch, kv_heads, length, head_dim)."""
+    @staticmethod
+    def first_of(slots: torch.Tensor) -> int | None:
+        """The first slot when `slots` are consecutive (read can then hand out views), else None.
+        Checked once per forward rather than per layer."""
         first, b = int(slots[0]), slots.shape[0]
         if int(slots[-1]) - first == b - 1 and bool((slots.diff() == 1).all()):
+            return first
+        return None
+
+    def read(self, layer: int, slots: torch.Tensor, length: int,
+             first: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given slots up to `length` positions: (batch, kv_heads, length, head_dim).
+        `first` is first_of(slots): a caller reading every layer checks the slots once."""
+        if first is not None:
             # Consecutive slots (the usual case: the lowest free slot is handed out first) are a view.
+            b = slots.shape[0]
             return self.k[layer, first:first + b, :, :length], self.v[layer, first:first + b, :, :length]
         # Otherwise gather; index_select on the slot axis is far faster than mixed advanced indexing.
         return (self.k[layer, :, :, :length].index_select(0, slots),

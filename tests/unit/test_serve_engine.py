@@ -8,7 +8,7 @@ import torch
 from cs3ray.models import PRESETS, KVCache, Transformer
 from cs3ray.models.generate import SamplingParams, generate_ids
 from cs3ray.serve.engine import Engine, EngineOptions, QueueFull
-from cs3ray.serve.forward import ragged_forward
+from cs3ray.serve.forward import Decode, Prefill, ragged_forward
 from cs3ray.serve.kv import SlotCache
 from cs3ray.serve.sequence import Event, GenRequest
 
@@ -45,16 +45,42 @@ def test_ragged_forward_matches_the_model_with_its_own_cache():
     cache = SlotCache(m.args, 4, torch.float32)
     ids = torch.randint(0, 256, (1, 17))
     slot = cache.allocate()
-    got = ragged_forward(m, ids, torch.arange(17).view(1, -1), torch.tensor([slot]), cache)
+    got = ragged_forward(m, cache, prefill=Prefill(ids, torch.tensor([17]), torch.tensor([slot])))
     ref_cache = KVCache(m.args, 1, 32, torch.float32)
     with torch.inference_mode():
         ref = m(ids, ref_cache)[:, -1]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     nxt = torch.tensor([[7]])
-    got = ragged_forward(m, nxt, torch.tensor([[17]]), torch.tensor([slot]), cache)
+    got = ragged_forward(m, cache, Decode(nxt[0], torch.tensor([17]), torch.tensor([slot])))
     with torch.inference_mode():
         ref = m(nxt, ref_cache)[:, -1]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_forward_decodes_and_prefills_as_separate_forwards_would():
+    """A step that admits prompts while others decode gives each row what it would get alone
+    (rows sit in any slots: a gathered read as well as a view)."""
+    m = model()
+    prompt_a, prompt_b, prompt_c = (torch.randint(0, 256, (1, n)) for n in (9, 5, 12))
+
+    def prefill(cache: SlotCache, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        return ragged_forward(m, cache, prefill=Prefill(ids, torch.tensor([ids.shape[1]]), torch.tensor([slot])))
+
+    apart = SlotCache(m.args, 4, torch.float32)
+    prefill(apart, prompt_a, 3)
+    prefill(apart, prompt_b, 1)
+    decodes = ragged_forward(m, apart, Decode(torch.tensor([5, 6]), torch.tensor([5, 9]), torch.tensor([1, 3])))
+    prompts_ = [prefill(apart, prompt_c, 0), prefill(apart, prompt_b[:, :3], 2)]
+
+    together = SlotCache(m.args, 4, torch.float32)
+    prefill(together, prompt_a, 3)
+    prefill(together, prompt_b, 1)
+    padded = torch.cat([prompt_c, torch.cat([prompt_b[:, :3], torch.zeros(1, 9, dtype=torch.long)], 1)])
+    mixed = ragged_forward(m, together, Decode(torch.tensor([5, 6]), torch.tensor([5, 9]), torch.tensor([1, 3])),
+                           Prefill(padded, torch.tensor([12, 3]), torch.tensor([0, 2])))
+    torch.testing.assert_close(mixed, torch.cat([decodes, *prompts_]), rtol=1e-5, atol=1e-5)
+    for slot, n in ((0, 12), (1, 6), (2, 3), (3, 10)):  # what later steps will read matches too
+        torch.testing.assert_close(together.k[:, slot, :, :n], apart.k[:, slot, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_is_identical_alone_and_in_a_full_batch_fp32():
