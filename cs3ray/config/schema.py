@@ -208,7 +208,10 @@ class ServeConfig(Section):
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
     target_ongoing_requests: float = Field(16.0, gt=0, description="Autoscaling target of in-flight requests per replica.")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once; the engine queues those beyond max_batch.")
-    max_batch: int = Field(32, ge=1, description="Sequences decoded together by continuous batching (1 disables batching).")
+    max_batch: int = Field(
+        16, ge=1, description="Sequences decoded together by continuous batching (1 disables batching). 16 keeps a "
+                              "CPU replica's p99 inter-token gap under 50 ms (32 gains ~10% throughput at 50-75 ms); "
+                              "raise it on GPUs, where a step of 64-256 sequences costs about what one of 16 does.")
     kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
     max_prefill_tokens: int = Field(256, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(

@@ -46,7 +46,7 @@ class NoMetrics:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int = 32  # sequences decoded together; 1 means no batching
+    max_batch: int = 16  # sequences decoded together; 1 means no batching (serve.max_batch sets it)
     kv_cache_mb: float = 256.0  # memory budget of the KV cache
     max_prefill_tokens: int = 256  # prompt tokens prefilled per step, so decodes are not starved
     max_waiting: int = 1024  # queued requests beyond this are refused
