@@ -52,7 +52,7 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
         auth = "bearer token required" if spec.token else "no auth"
         console.print(f"serving [bold]{spec.name}[/] at {url}/v1 ({auth}); Ctrl-C to stop", highlight=False)
 
-    with ray_cluster(address, num_cpus=num_cpus, quiet=True) as gcs:
+    with ray_cluster(address, num_cpus=num_cpus, quiet=True, serving=True) as gcs:
         if detach:
             url = deploy(spec, host, port)
             console.print(f"deployed [bold]{spec.name}[/] at {url}/v1; stop it with "

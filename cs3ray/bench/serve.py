@@ -172,7 +172,7 @@ def local_ray(num_cpus: int) -> Iterator[None]:
     """
     import ray
 
-    export_cluster_env()  # as `cs3 serve` runs its embedded cluster
+    export_cluster_env(serving=True)  # as `cs3 serve` runs its embedded cluster
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, configure_logging=False)
     try:

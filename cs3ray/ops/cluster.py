@@ -49,8 +49,10 @@ def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
 
 
 @contextlib.contextmanager
-def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False) -> Iterator[str]:
-    """Yield the address of a connected Ray cluster; an embedded one is shut down on exit."""
+def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False,
+                serving: bool = False) -> Iterator[str]:
+    """Yield the address of a connected Ray cluster; an embedded one is shut down on exit.
+    serving: an embedded cluster started to serve a model (its workers run at nice 0, see tuning)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -61,7 +63,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
     embedded = address is None
     try:
         if embedded:
-            export_cluster_env()  # Serve's proxy, should this cluster serve a model, reads it at start
+            export_cluster_env(serving)  # Serve's proxy, should this cluster serve a model, reads it at start
             # address="local": always a new cluster, even when `ray start` left one running here.
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")

@@ -50,6 +50,7 @@ def test_replica_env_keeps_the_users_runtime_env():
 
 
 def test_cluster_env_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
     export_cluster_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
@@ -57,6 +58,9 @@ def test_cluster_env_keeps_what_the_user_set(monkeypatch):
     export_cluster_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"  # the proxy routes on its own loop
+    assert "RAY_worker_niceness" not in os.environ  # a training cluster keeps Ray's nice 15 workers
+    export_cluster_env(serving=True)
+    assert os.environ["RAY_worker_niceness"] == "0"  # a serving one runs them at nice 0
 
 
 def test_user_errors(tmp_path):
