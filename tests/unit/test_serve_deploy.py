@@ -50,7 +50,8 @@ def test_replica_env_keeps_the_users_runtime_env():
 
 
 def test_cluster_env_keeps_what_the_user_set(monkeypatch):
-    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.setenv("RAY_worker_niceness", "15")  # so that the test's own export is undone after it
+    monkeypatch.delenv("RAY_worker_niceness")
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
     export_cluster_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
