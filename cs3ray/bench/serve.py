@@ -82,8 +82,9 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
         # throughput by 25% between runs (session 10).
         return CONCURRENCIES, {1: 8, 4: 24, 16: 128, 64: 128}, (16, 192)
     # The small model decodes ~10x slower; fewer, shorter requests keep the run under 10 minutes
-    # (session 11: 3/8/16/32 requests of 16-128 tokens took 6 of a run's 11 minutes on a slow day).
-    return CONCURRENCIES, {1: 2, 4: 6, 16: 12, 64: 16}, (16, 96)
+    # (session 11, a slow day: 3/8/16/32 requests of 16-128 tokens took 6 of a run's 11 minutes;
+    # 2/6/12/16 of 16-96 tokens about 3.5 of 8.5).
+    return CONCURRENCIES, {1: 2, 4: 4, 16: 10, 64: 12}, (16, 96)
 
 
 def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int | None,
