@@ -125,9 +125,9 @@ def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) ->
 
     The heap loaded so far is frozen out of the garbage collector first: in a driver that has
     imported torch, Ray and Serve, a full collection walked it for ~250 ms mid-run (measured),
-    a stall of the load generator that the percentiles would have charged to the server.
+    a stall of the load generator that the percentiles would have charged to the server. (No
+    gc.collect() before it: that would walk the same heap, 250 ms, at every call.)
     """
-    gc.collect()
     gc.freeze()
     try:
         return asyncio.run(_run(url, model, items, timeout))

@@ -1,8 +1,8 @@
 """Iteration-level continuous batching (as in Orca / vLLM) for one replica.
 
 Every step: admit waiting requests while the KV budget allows, then run one forward that
-prefills them and decodes a token for every running sequence together. Sequences join and leave between steps, so a
-short request never waits for a long one, unlike request-level batching.
+prefills them and decodes a token for every running sequence together. Sequences join and
+leave between steps, so a short request never waits for a long one, unlike request-level batching.
 The engine is plain Python + torch (no Ray): a thread runs `loop()`, callers `submit()`.
 """
 
