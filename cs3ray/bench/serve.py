@@ -1,7 +1,8 @@
 """`cs3 bench serve`: continuous batching vs. no batching vs. Serve's @serve.batch, in one run.
 
 All three modes serve the same checkpoint with the same engine, forward pass and sampler on
-one replica of 1 CPU each, behind the same Serve HTTP proxy; they differ only in scheduling:
+one replica of 1 CPU each, behind the same HTTP ingress (Serve's HAProxy where installed, as `cs3
+serve` runs it; else Serve's proxy); they differ only in scheduling:
   unbatched    cs3ray's engine with max_batch=1 (one sequence at a time, the rest queue)
   serve_batch  Ray Serve's @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01): closed batches
   continuous   cs3ray's engine: sequences join and leave the batch at every decode step
@@ -208,11 +209,14 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
     with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, \
             local_ray(max(8, os.cpu_count() or 1)):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ingress = "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve proxy"
+        log(f"ingress: {ingress}")
         try:
             result = bench_model(_checkpoint("tiny", Path(tmp)), "tiny", port, quick, dtype, max_batch, log)
             if small:
                 result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
                                                          dtype, max_batch, log)}
+            result["ingress"] = ingress
         finally:
             serve.shutdown()
     return result

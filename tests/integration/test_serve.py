@@ -22,6 +22,7 @@ from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
+from cs3ray.serve.tuning import haproxy_binary
 
 # Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
 # importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.
@@ -223,6 +224,56 @@ def test_cli_serve_foreground_and_sigterm(ray_head, http_port, tmp_path):
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "serving cli-test" in stdout
+
+
+def haproxies() -> set[int]:
+    """Pids of the HAProxy processes running on this machine."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "haproxy":
+                pids.add(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy binary (ray[serve] bundles one on Linux only)")
+def test_cli_serve_on_its_own_cluster_streams_through_haproxy_and_stops(tmp_path):
+    """`cs3 serve` without --address: an embedded serving cluster, HTTP through Serve's HAProxy ingress."""
+    run = tmp_path / "run"
+    make_checkpoint(run, step=5)
+    port, before, ours = free_port(), haproxies(), set()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(["cs3", "serve", str(run), "--port", str(port), "--name", "own", "--token", TOKEN,
+                             "--dtype", "fp32"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not healthy_soon(base):
+            time.sleep(0.5)
+        ours = haproxies() - before
+        assert ours, "the embedded serving cluster runs no HAProxy"
+        stream = client(base).completions.create(model="own", prompt="def ", max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].system_fingerprint == "step-5"
+        with pytest.raises(openai.AuthenticationError):
+            client(base, token="wrong").models.list()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 0, stderr
+    assert "serving own" in stdout and "stopped" in stdout
+    assert not ours & haproxies()  # the cluster took its HAProxy down with it
+
+
+def healthy_soon(base: str) -> bool:
+    try:
+        return healthy(base)
+    except OSError:
+        return False
 
 
 def test_cli_serve_missing_run_is_one_line(tmp_path):

@@ -9,7 +9,8 @@ from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.serve.deploy import build_app, make_spec
-from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
+from cs3ray.serve.tuning import (HAPROXY_ENV, HAPROXY_SIDE_PORTS, export_cluster_env, haproxy_binary,
+                                 replica_actor_options)
 
 
 def deployment_config(app):
@@ -50,8 +51,9 @@ def test_replica_env_keeps_the_users_runtime_env():
 
 
 def test_cluster_env_keeps_what_the_user_set(monkeypatch):
-    monkeypatch.setenv("RAY_worker_niceness", "15")  # so that the test's own export is undone after it
-    monkeypatch.delenv("RAY_worker_niceness")
+    for key in ("RAY_worker_niceness", *HAPROXY_ENV, *HAPROXY_SIDE_PORTS):
+        monkeypatch.setenv(key, "15")  # so that the test's own export is undone after it
+        monkeypatch.delenv(key)
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
     export_cluster_env()
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
@@ -60,8 +62,15 @@ def test_cluster_env_keeps_what_the_user_set(monkeypatch):
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"  # the proxy routes on its own loop
     assert "RAY_worker_niceness" not in os.environ  # a training cluster keeps Ray's nice 15 workers
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # nor Serve's HAProxy ingress
     export_cluster_env(serving=True)
     assert os.environ["RAY_worker_niceness"] == "0"  # a serving one runs them at nice 0
+    if haproxy_binary():  # ray[serve] bundles HAProxy on Linux
+        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        ports = {int(os.environ[key]) for key in HAPROXY_SIDE_PORTS}  # free ones, not the fixed defaults
+        assert len(ports) == len(HAPROXY_SIDE_PORTS) and not ports & {8404, 9101, 8500, 9500}
+    else:
+        assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
 
 
 def test_user_errors(tmp_path):
