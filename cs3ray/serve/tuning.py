@@ -3,11 +3,13 @@
 Serve reads these switches from environment variables when its processes start, so they are
 set in two places: the replica's (its runtime_env, on any cluster) and the proxy's (the
 environment of an embedded cluster's processes; on a cluster started with `ray start`, export
-them before starting it, minding CLUSTER_ENV's note on the router switch). Measured with `cs3 bench serve` on 2 cores, tiny model, concurrency
-16, continuous batching: 873 tokens/s by default, 1,005 with the replica's user code on its
-main event loop, 1,237 with the proxy also talking gRPC to the replica (each streamed chunk
-otherwise costs a Ray actor-call round trip in both processes); p99 inter-chunk gap 101 -> 55-94 ms
-(ten runs).
+them before starting it, minding CLUSTER_ENV's note on the router switch). Measured with
+`cs3 bench serve` on 2 cores, tiny model, concurrency 16, continuous batching: 873 tokens/s by
+default, 1,005 with the replica's user code on its main event loop, 1,237 with the proxy also
+talking gRPC to the replica (each streamed chunk otherwise costs a Ray actor-call round trip in
+both processes); p99 inter-chunk gap 101 -> 55-94 ms (ten runs). A cluster started here to
+serve goes further where it can: Serve's HAProxy ingress takes the proxy's place
+(SERVING_CLUSTER_ENV, HAPROXY_ENV below).
 """
 
 from __future__ import annotations

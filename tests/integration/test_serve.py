@@ -242,6 +242,9 @@ def test_cli_serve_foreground_on_its_own_cluster_streams_then_stops_on_sigterm(t
         stdout, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 0, stderr
     assert "serving own" in stdout and "stopped" in stdout
+    deadline = time.time() + 15
+    while ours & haproxies() and time.time() < deadline:
+        time.sleep(0.5)
     assert not ours & haproxies()  # the cluster took its HAProxy down with it
 
 
