@@ -6,7 +6,8 @@ serve` runs it; else Serve's proxy); they differ only in scheduling:
   unbatched    cs3ray's engine with max_batch=1 (one sequence at a time, the rest queue)
   serve_batch  Ray Serve's @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01): closed batches
   continuous   cs3ray's engine: sequences join and leave the batch at every decode step
-Each offered concurrency replays one seeded open-loop workload against each mode in turn.
+Each offered concurrency replays one seeded open-loop workload against each mode in turn,
+continuous batching before and after its peers (see REPLAY_ORDER).
 The benchmark needs no trained run: each model gets a few optimizer steps on the Python
 standard library's source first (seconds), just enough that it writes text. Speed does not
 depend on the weights (ignore_eos fixes every output's length), but streaming does: a
@@ -34,9 +35,16 @@ from cs3ray.data.corpus import STDLIB, open_corpus
 from cs3ray.models import ByteTokenizer, Transformer
 from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
 
-from .serve_load import Item, run_load, workload
+from .serve_load import Item, Replay, replay, run_load, summarize, workload
 
 MODES = ("unbatched", "serve_batch", "continuous")
+# Each concurrency replays its workload in this order, and a mode's cell pools its replays. This
+# host's speed drifts by 15-40% within minutes, and the peers' replays take ~40 s each at 16 where
+# continuous batching's takes ~8: measured before and after them, continuous batching sees the
+# same stretch of time on average as the peers, so a drift during that minute no longer moves the
+# ratios by itself (session 12: three runs in a row gave 5.5, 6.6 and 4.5 with one replay each,
+# the last with the unbatched peer's replay in a fast stretch: 367 tokens/s where the others had 295-301).
+REPLAY_ORDER = ("continuous", "unbatched", "serve_batch", "continuous")
 CONCURRENCIES = (1, 4, 16, 64)
 CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
 
@@ -134,8 +142,10 @@ def _summary(modes: dict[str, dict[str, dict]]) -> dict:
 
 
 def _clean(cell: dict) -> dict:
-    return {k: (None if isinstance(cell[k], float) and math.isnan(cell[k]) else
-                round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
+    out = {k: (None if isinstance(cell[k], float) and math.isnan(cell[k]) else
+               round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
+    out["replay_tokens_per_s"] = [round(x, 2) for x in cell["replay_tokens_per_s"]]
+    return out
 
 
 def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_batch: int | None,
@@ -158,14 +168,19 @@ def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_b
         modes: dict[str, dict[str, dict]] = {m: {} for m in MODES}
         for c in concurrencies:
             items = workload(counts[c], rate=c / latency, seed=c, output_tokens=out_range)
+            replays: dict[str, list[Replay]] = {m: [] for m in MODES}
+            for mode in REPLAY_ORDER:
+                replays[mode].append(replay(urls[mode], f"bench-{preset}-{mode}", items))
             for mode in MODES:
-                cell = run_load(urls[mode], f"bench-{preset}-{mode}", items)
+                cell = summarize(replays[mode])
                 if cell["first_error"]:
                     log(f"  {mode} c={c}: {cell['errors']} errors, first: {cell['first_error']}")
                 modes[mode][str(c)] = _clean(cell)
                 log(f"{preset} c={c:>2} {mode:<11} {cell['tokens_per_s']:8.0f} tok/s  "
                     f"ttft p50 {cell['p50_ttft_ms']:7.1f} ms  p99 {cell['p99_ttft_ms']:7.1f} ms  "
-                    f"itl p99 {cell['p99_itl_ms']:6.1f} ms  errors {cell['errors']}")
+                    f"itl p99 {cell['p99_itl_ms']:6.1f} ms  errors {cell['errors']}"
+                    + ("" if len(replays[mode]) == 1 else
+                       "  (replays: " + ", ".join(f"{x:.0f}" for x in cell["replay_tokens_per_s"]) + " tok/s)"))
     finally:
         for mode in MODES:
             serve.delete(f"bench-{preset}-{mode}")

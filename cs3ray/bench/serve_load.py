@@ -103,25 +103,41 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
-async def _run(url: str, model: str, items: list[Item], timeout: float) -> dict:
+@dataclass
+class Replay:
+    """One replay of a workload: its requests' results and how long it took."""
+
+    results: list[Result]
+    seconds: float
+
+
+async def _run(url: str, model: str, items: list[Item], timeout: float) -> Replay:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.perf_counter()
         results = await asyncio.gather(*[_one(session, url, model, it, start, timeout) for it in items])
     end = max((r.done_at for r in results), default=start)
+    return Replay(results, max(end - start, 1e-9))
+
+
+def summarize(replays: list[Replay]) -> dict:
+    """Throughput and latency percentiles over one or more replays (pooled: tokens over total time,
+    percentiles over every request's samples), with each replay's own tokens/s."""
+    results = [r for rep in replays for r in rep.results]
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
     gaps = [g * 1e3 for r in ok for g in r.gaps]
     errors = [r.error for r in results if not r.ok]
-    return {"tokens_per_s": sum(r.tokens for r in ok) / max(end - start, 1e-9),
+    return {"tokens_per_s": sum(r.tokens for r in ok) / sum(rep.seconds for rep in replays),
             "p50_ttft_ms": _pct(ttfts, 50), "p99_ttft_ms": _pct(ttfts, 99), "p99_itl_ms": _pct(gaps, 99),
             "p50_itl_ms": _pct(gaps, 50), "p90_itl_ms": _pct(gaps, 90), "max_itl_ms": max(gaps, default=float("nan")),
-            "errors": len(errors), "requests": len(items), "first_error": errors[0] if errors else None,
-            "tokens_per_chunk": sum(r.tokens for r in ok) / max(1, sum(len(r.gaps) + 1 for r in ok))}
+            "errors": len(errors), "requests": len(results), "first_error": errors[0] if errors else None,
+            "tokens_per_chunk": sum(r.tokens for r in ok) / max(1, sum(len(r.gaps) + 1 for r in ok)),
+            "replay_tokens_per_s": [sum(r.tokens for r in rep.results if r.ok) / rep.seconds for rep in replays]}
 
 
-def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) -> dict:
-    """Replay `items` against url's /v1/completions; throughput and latency percentiles.
+def replay(url: str, model: str, items: list[Item], timeout: float = 300.0) -> Replay:
+    """Replay `items` against url's /v1/completions.
 
     The heap loaded so far is frozen out of the garbage collector first: in a driver that has
     imported torch, Ray and Serve, a full collection walked it for ~250 ms mid-run (measured),
@@ -133,3 +149,8 @@ def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) ->
         return asyncio.run(_run(url, model, items, timeout))
     finally:
         gc.unfreeze()
+
+
+def run_load(url: str, model: str, items: list[Item], timeout: float = 300.0) -> dict:
+    """One replay of `items`, summarized: throughput and latency percentiles."""
+    return summarize([replay(url, model, items, timeout)])

@@ -1,11 +1,12 @@
-"""`cs3 bench serve`'s pieces that decide what it measures: the served model writes text, the workload is seeded."""
+"""`cs3 bench serve`'s pieces that decide what it measures: the served model writes text, the workload is
+seeded, replays pool into one cell."""
 
 from __future__ import annotations
 
 import torch
 
-from cs3ray.bench.serve import TEXT_STEPS, _writes_text
-from cs3ray.bench.serve_load import workload
+from cs3ray.bench.serve import MODES, REPLAY_ORDER, TEXT_STEPS, _writes_text
+from cs3ray.bench.serve_load import Replay, Result, summarize, workload
 from cs3ray.models import PRESETS, ByteTokenizer, Transformer
 from cs3ray.models.generate import SamplingParams
 from cs3ray.serve.engine import Engine
@@ -35,3 +36,14 @@ def test_workload_is_seeded_and_fits_the_context():
     assert a == b and a != workload(50, rate=20.0, seed=4)
     assert all(len(it.prompt.encode()) + 1 + it.max_tokens <= 256 for it in a)
     assert [it.at for it in a] == sorted(it.at for it in a)
+
+
+def test_replays_pool_into_one_cell():
+    fast = Replay([Result(ok=True, ttft=0.01, gaps=[0.02, 0.02], tokens=30)], seconds=1.0)
+    slow = Replay([Result(ok=True, ttft=0.03, gaps=[0.04], tokens=30), Result(error="HTTP 503: busy")], seconds=2.0)
+    cell = summarize([fast, slow])
+    assert cell["tokens_per_s"] == 20.0  # all tokens over all time, not the mean of 30 and 15
+    assert cell["replay_tokens_per_s"] == [30.0, 15.0]
+    assert (cell["requests"], cell["errors"], cell["first_error"]) == (3, 1, "HTTP 503: busy")
+    assert cell["max_itl_ms"] == 40.0 and cell["p99_ttft_ms"] == 30.0  # percentiles over both replays
+    assert REPLAY_ORDER.count("continuous") == 2 and set(REPLAY_ORDER) == set(MODES)
