@@ -43,7 +43,7 @@ MODES = ("unbatched", "serve_batch", "continuous")
 # continuous batching's takes ~8: measured before and after them, continuous batching sees the
 # same stretch of time on average as the peers, so a drift during that minute no longer moves the
 # ratios by itself (session 12: three runs in a row gave 5.5, 6.6 and 4.5 with one replay each,
-# the last with the unbatched peer's replay in a fast stretch: 367 tokens/s where the others had 295-301).
+# the last with the unbatched peer's replay in a fast stretch: 367 tokens/s, the others 295-301).
 REPLAY_ORDER = ("continuous", "unbatched", "serve_batch", "continuous")
 CONCURRENCIES = (1, 4, 16, 64)
 CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
