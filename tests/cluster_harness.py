@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cs3ray.ops.ports import free_port
 
 
 @dataclass

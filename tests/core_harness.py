@@ -83,7 +83,7 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
 def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dict]:
     """Run several (name, overrides[, run_core options]) jobs one after another in `world` processes;
     rank 0's and rank 1's results."""
-    from cluster_harness import free_port
+    from cs3ray.ops.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -17,22 +17,16 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from cs3ray.ops.ports import free_port
+
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:
     """`python -m moto.server` in a subprocess; `options()` are s3fs storage options for it."""
 
     def __init__(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

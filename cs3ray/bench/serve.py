@@ -33,6 +33,7 @@ from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import build_config, to_yaml
 from cs3ray.data.corpus import STDLIB, open_corpus
 from cs3ray.models import ByteTokenizer, Transformer
+from cs3ray.ops.ports import free_port
 from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
 
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
@@ -213,14 +214,11 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
     running batch buys little throughput and stretches every inter-token gap.
     """
     import os
-    import socket
 
     from ray import serve
 
     small = (not quick) if small is None else small
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, \
             local_ray(max(8, os.cpu_count() or 1)):
         serve.start(http_options={"host": "127.0.0.1", "port": port})

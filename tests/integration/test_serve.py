@@ -16,11 +16,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from cluster_harness import free_port
 from conftest import run_cs3
 from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
+from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 from cs3ray.serve.tuning import haproxy_binary
 
