@@ -21,6 +21,14 @@ AddressOpt = typer.Option(None, "--address", envvar="RAY_ADDRESS",
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout.")
 OverridesArg = typer.Argument(None, help="Dotted overrides such as train.lr=3e-4 cluster.workers=2.",
                               show_default=False)
+# Commands that read a run take its storage options at run time, as `cs3 train` takes overrides
+# (parsed by cs3ray.config.runtime_storage_options), so credentials need not be in any file.
+StorageOverridesArg = typer.Argument(None, metavar="storage.options.KEY=VALUE", show_default=False,
+                                     help="Storage options for reading the run (dots for nested keys, e.g. "
+                                          "storage.options.client_kwargs.endpoint_url=URL); credentials may also "
+                                          "come from the environment (AWS_ACCESS_KEY_ID, ~/.aws, ...).")
+StorageOptionsOpt = typer.Option(None, "--storage-options",
+                                 help="fsspec storage options as JSON; storage.options.KEY=VALUE arguments go on top.")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -30,13 +38,13 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def user_errors(fn: F) -> F:
-    """Turn UserError into one line on stderr and exit code 2, never a traceback."""
+    """Turn UserError into one line on stderr and exit code 2 (or the error's own `exit_code`), never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            fail(str(exc), 2)
+            fail(str(exc), getattr(exc, "exit_code", 2))
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130)

@@ -169,7 +169,7 @@ class Storage:
     """A base URL plus the storage options to reach it."""
 
     url: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: kept out of logs
     retry_deadline_s: float = RETRY_DEADLINE_S
 
     def __post_init__(self) -> None:

@@ -1,7 +1,10 @@
 """Job configuration: pydantic schema, YAML loading, dotted overrides, clear errors."""
 
-from .loader import ConfigError, apply_overrides, build_config, config_hash, explain, load_config, to_yaml
+from .loader import (ConfigError, apply_overrides, build_config, config_hash, explain, load_config,
+                     redact_config_text, runtime_storage_options, to_yaml)
+from .redact import redact_config, redact_options
 from .schema import JobConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "build_config", "config_hash", "explain",
-           "load_config", "to_yaml"]
+           "load_config", "redact_config", "redact_config_text", "redact_options", "runtime_storage_options",
+           "to_yaml"]

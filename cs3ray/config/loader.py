@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from cs3ray.errors import UserError
 
+from .redact import redact_config
 from .schema import JobConfig
 
 
@@ -52,6 +53,8 @@ def _format_error(err: ValidationError, source: str) -> str:
     if e["type"] == "missing":
         return f"{source}: {where} is required."
     value = e.get("input")
+    if loc[:2] == ["storage", "options"]:  # the value may be a credential: name only its type
+        return f"{source}: {where} is invalid (a {type(value).__name__} was given): {msg}."
     try:
         shown = json.dumps(value)
     except (TypeError, ValueError):
@@ -72,7 +75,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"override '{text}' has an empty field name.")
+        raise ConfigError(f"override '{key.strip()}=...' has an empty field name.")  # the value may be a secret
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -91,7 +94,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
             if child is None:
                 child = node[p] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override '{text}': '{p}' is a value, not a section.")
+                raise ConfigError(f"override '{'.'.join(parts)}=...': '{p}' is a value, not a section.")
             node = child
         node[parts[-1]] = value
     return data
@@ -132,13 +135,53 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 def to_yaml(cfg: JobConfig) -> str:
-    """The resolved config as YAML, as written into run directories and checkpoints."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, as written into run directories and checkpoints (credentials as ***)."""
+    return yaml.safe_dump(redact_config(cfg.model_dump(mode="json")), sort_keys=False)
+
+
+def redact_config_text(text: str) -> str:
+    """Config YAML text with its storage credentials as *** (unchanged, byte for byte, when it has none)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if not isinstance(data, dict):
+        return text
+    redacted = redact_config(data)
+    return text if redacted == data else yaml.safe_dump(redacted, sort_keys=False)
 
 
 def config_hash(cfg: JobConfig) -> str:
-    """A short stable hash of the resolved config."""
-    return hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    """A short stable hash of the resolved config, credentials redacted (they may change, the job does not)."""
+    data = redact_config(cfg.model_dump(mode="json"))
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+STORAGE_OPTIONS = "storage.options"
+
+
+def runtime_storage_options(overrides: Iterable[str] = (), json_text: str | None = None) -> dict:
+    """Storage options given at run time: `--storage-options JSON`, then `storage.options.KEY=VALUE` overrides."""
+    options: Any = {}
+    if json_text:
+        try:
+            options = json.loads(json_text)
+        except ValueError:
+            options = None
+        if not isinstance(options, dict):
+            raise ConfigError("--storage-options must be a JSON object, e.g. '{\"anon\": true}'.")
+    overrides = list(overrides)
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if key != STORAGE_OPTIONS and not key.startswith(STORAGE_OPTIONS + "."):
+            # Only the key is shown: a mistyped option's value may be a credential.
+            raise ConfigError(f"argument '{key}' is not a storage option: this command takes only "
+                              "storage.options.KEY=VALUE after the run (e.g. "
+                              "storage.options.client_kwargs.endpoint_url=URL).")
+    options = apply_overrides({"storage": {"options": options}}, overrides)["storage"]["options"]
+    if not isinstance(options, dict):
+        raise ConfigError("storage.options must be a mapping of fsspec options, e.g. storage.options.anon=true.")
+    return options
 
 
 def explain(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[tuple[str, str, str]]:

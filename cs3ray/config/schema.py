@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cs3ray.models import PRESETS, ModelArgs
 
+from .redact import strip_masked
+
 
 class Section(BaseModel):
     """Strict base: unknown keys and silent type coercion from strings are refused."""
@@ -21,6 +23,9 @@ class ModelConfig(Section):
         "tiny", description="Named model shape; fields set below override the preset's values.")
     target: str | None = Field(
         None, description="Your own model factory 'pkg.module:build', called with the model section as a dict.")
+    trust_code: bool = Field(
+        False, description="Trust the model.target of checkpoints loaded on this config's behalf, as --trust-code "
+                           "does on generate/serve; never read from a checkpoint's own config.")
     dim: int | None = Field(None, ge=8, description="Width of the residual stream.")
     n_layers: int | None = Field(None, ge=1, description="Number of transformer blocks.")
     n_heads: int | None = Field(None, ge=1, description="Attention heads (dim must divide evenly).")
@@ -183,7 +188,15 @@ class RunConfig(Section):
 class StorageConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="fsspec storage options used for every URL (e.g. key, secret, client_kwargs.endpoint_url).")
+        description="fsspec storage options used for every URL (e.g. key, secret, client_kwargs.endpoint_url); "
+                    "credentials are written and shown as ***, and may be left out for the backend's own "
+                    "chain (AWS_ACCESS_KEY_ID, ~/.aws, ...).")
+
+    @field_validator("options")
+    @classmethod
+    def _no_masks(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # A config copied from a run holds *** for its credentials: leave those to the backend's chain.
+        return strip_masked(v)
 
 
 class CacheConfig(Section):
@@ -197,7 +210,7 @@ class CacheConfig(Section):
     warm: bool = Field(False, description="Fill the L2 cache with the whole train split before step 1.")
     retry_deadline_s: float = Field(60.0, gt=0, description="Keep retrying a failing object-storage read for this long, then fail.")
     shuffle_window: int = Field(4, ge=1, description="Shards whose samples are shuffled together in the global order (part of the order: keep it when resuming).")
-    trace: bool = Field(False, description="Record the sample ids each rank trains on under <run dir>/data-trace/ (to audit the order).")
+    trace: bool = Field(False, description="Record the sample ids each rank trains on, one file per completed step, under <run dir>/data-trace/ (to audit the order).")
 
 
 class ServeConfig(Section):
