@@ -11,11 +11,12 @@ from typing import Optional
 
 import typer
 
+from cs3ray.config import runtime_storage_options
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.serve.deploy import deploy, make_spec, serve_foreground, stop
 
-from .common import AddressOpt, console, user_errors
+from .common import AddressOpt, StorageOptionsOpt, StorageOverridesArg, console, user_errors
 
 STOP = "stop"
 
@@ -24,23 +25,30 @@ STOP = "stop"
 def serve(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL; "
                                               "or 'stop' to delete the app named by --name (a run called "
                                               "stop: runs/stop)."),
+          storage: Optional[list[str]] = StorageOverridesArg,
           port: int = typer.Option(8000, min=1, max=65535, help="HTTP port of Serve's proxy."),
           host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for every interface)."),
           replicas: Optional[int] = typer.Option(None, min=1, help="Replicas (default: serve.replicas of the config)."),
-          token: Optional[str] = typer.Option(None, envvar="CS3_SERVE_TOKEN",
+          token: Optional[str] = typer.Option(None, envvar="CS3_SERVE_TOKEN", show_envvar=True,
                                               help="Require 'Authorization: Bearer TOKEN' on the API."),
+          insecure: bool = typer.Option(False, "--insecure", help="Serve an open API (no token) on a non-loopback "
+                                                                  "--host: anyone who reaches it can use it."),
+          trust_code: bool = typer.Option(False, "--trust-code", help="Import and run the model.target code the "
+                                                                      "checkpoint's config names."),
           name: Optional[str] = typer.Option(None, help="Application name and model id (default: the run's name)."),
           dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32."),
           max_batch: Optional[int] = typer.Option(None, min=1, help="Sequences batched together (1: no batching)."),
           follow: bool = typer.Option(False, "--follow", help="Hot-reload newer checkpoints of RUN as training writes them."),
           detach: bool = typer.Option(False, "--detach", help="Leave the app running on the remote cluster and exit."),
-          address: Optional[str] = AddressOpt) -> None:
+          address: Optional[str] = AddressOpt,
+          storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
     if run == STOP:
         stop_app(name, address)
         return
-    spec = make_spec(run, name=name, token=token, follow=follow,
-                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch})
+    spec = make_spec(run, name=name, token=token, follow=follow, host=host, insecure=insecure, trust_code=trust_code,
+                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch},
+                     storage_options=runtime_storage_options(storage or [], storage_options))
     if detach and not address:
         raise UserError("--detach needs --address: an embedded cluster ends with this command.")
     s = spec.serve

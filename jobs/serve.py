@@ -1,4 +1,4 @@
-"""Entry point for `ray job submit --working-dir . -- python jobs/serve.py RUN [--port 8000] [--follow]`.
+"""Entry point for `ray job submit --working-dir . -- python jobs/serve.py RUN [storage.options.K=V...] [--follow]`.
 
 Inside a Ray job, RAY_ADDRESS points at the cluster, so the app is deployed there, beside any
 training job. The job stays up until `ray job stop`, which sends SIGTERM: the app is deleted.
@@ -12,6 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cs3ray.config import runtime_storage_options  # noqa: E402
 from cs3ray.errors import UserError  # noqa: E402
 from cs3ray.ops.cluster import ray_cluster  # noqa: E402
 from cs3ray.serve.deploy import make_spec, serve_foreground  # noqa: E402
@@ -20,16 +21,29 @@ from cs3ray.serve.deploy import make_spec, serve_foreground  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a cs3ray run on the current Ray cluster.")
     parser.add_argument("run", help="run directory, run name or checkpoint folder/URL")
+    parser.add_argument("storage", nargs="*", metavar="storage.options.KEY=VALUE",
+                        help="storage options for reading the run (credentials may come from the nodes' environment)")
+    parser.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy")
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--name", default=None, help="application name and model id")
     parser.add_argument("--replicas", type=int, default=None, help="replicas (default: from the config)")
     parser.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32")
     parser.add_argument("--follow", action="store_true", help="hot-reload newer checkpoints of RUN")
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-batch", type=int, default=None, help="sequences batched together (1: no batching)")
+    # The environment variable keeps the token out of the job's entrypoint, which Ray shows and logs.
+    parser.add_argument("--token", default=os.environ.get("CS3_SERVE_TOKEN"),
+                        help="require 'Authorization: Bearer TOKEN' on the API (default: $CS3_SERVE_TOKEN)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve an open API (no token) on a non-loopback --host: anyone who reaches it can use it")
+    parser.add_argument("--trust-code", action="store_true",
+                        help="import and run the model.target code the checkpoint's config names")
+    args = parser.parse_intermixed_args(argv)  # storage options may come after other options
     try:
-        spec = make_spec(args.run, name=args.name, token=os.environ.get("CS3_SERVE_TOKEN"), follow=args.follow,
-                         overrides={"replicas": args.replicas, "dtype": args.dtype})
+        spec = make_spec(args.run, name=args.name, token=args.token, follow=args.follow, host=args.host,
+                         insecure=args.insecure, trust_code=args.trust_code,
+                         overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
+                         storage_options=runtime_storage_options(args.storage, args.storage_options))
         with ray_cluster(os.environ.get("RAY_ADDRESS", "auto"), quiet=True):
             serve_foreground(spec, args.host, args.port, lambda url: print(f"serving {spec.name} at {url}/v1",
                                                                          flush=True))

@@ -35,6 +35,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from cs3ray.storage import Storage, StorageError
 
+from .dcp_metadata import guard_planner, load_metadata
 from .manifest import CheckpointError
 
 METADATA = ".metadata"
@@ -191,19 +192,23 @@ class ChunkReader(StorageReader):
     """
 
     def __init__(self, metadata: Callable[[], bytes], fetch: Callable[[str], Any],
-                 prefetch: Callable[[list[str]], None] | None = None) -> None:
+                 prefetch: Callable[[list[str]], None] | None = None, where: str = METADATA) -> None:
         super().__init__()
         self._metadata, self.fetch, self.prefetch = metadata, fetch, prefetch
+        self.where = where  # the `.metadata` file's URL, for errors
+        self._read: Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # The bytes were checked against the manifest's sha256 before this unpickles them.
-        metadata = pickle.loads(self._metadata())
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
+        if self._read is None:  # read once (load_state reads it before DCP does)
+            # Checked against the manifest's sha256, then unpickled admitting DCP's metadata classes only.
+            metadata = load_metadata(self._metadata(), self.where)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._read = metadata
+        return self._read
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -215,6 +220,7 @@ class ChunkReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        planner = guard_planner(planner, self.where)
         by_chunk: dict[str, list] = {}
         for req in plan.items:
             by_chunk.setdefault(self.storage_data[req.storage_index]["chunk"], []).append(req)

@@ -6,7 +6,6 @@ import fnmatch
 import logging
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -14,6 +13,7 @@ from cs3ray.core.state import clean_fqn
 
 from .inference import resolve_checkpoint
 from .locations import open_folder
+from .manager import load_state
 from .manifest import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def load_init_weights(model: nn.Module, run_or_ckpt: str, options: dict | None =
     folder = resolve_checkpoint(run_or_ckpt, options)
     loc, step, manifest = open_folder(folder)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, storage_reader=loc.reader(step, manifest))
+    load_state(state, loc.reader(step, manifest))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     log.info("initialized weights from %s (step %d)", folder.url, step)
     return {"step": step, "url": folder.url}

@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
 
 from cs3ray.config import JobConfig, build_config
@@ -15,6 +14,7 @@ from cs3ray.models.factory import model_from_config
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .locations import list_steps, open_folder, step_dir
+from .manager import load_state
 from .manifest import MANIFEST, CheckpointError
 
 
@@ -51,8 +51,14 @@ def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
     return storage.child(step_dir(steps[-1]))
 
 
-def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Verify a checkpoint and load its weights into a fresh model, whatever strategy wrote it."""
+def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype = torch.float32,
+                       trust_code: bool = False) -> LoadedModel:
+    """Verify a checkpoint and load its weights into a fresh model, whatever strategy wrote it.
+
+    A model.target in the checkpoint's config is imported only with trust_code, the caller's word
+    (--trust-code, or model.trust_code of the caller's own config); one stored in the checkpoint's
+    config is ignored.
+    """
     folder = resolve_checkpoint(run, options)
     loc, step, manifest = open_folder(folder)
     try:
@@ -60,9 +66,9 @@ def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype
         tokenizer = ByteTokenizer.from_json(loc.read(step, "tokenizer.json", manifest).decode())
     except StorageError as exc:
         raise CheckpointError(f"checkpoint '{folder.url}' is incomplete: {exc}") from None
-    model = model_from_config(cfg)
+    model = model_from_config(cfg, trust_code=trust_code, source=f"checkpoint '{folder.url}'")
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=loc.reader(step, manifest))
+    load_state(state, loc.reader(step, manifest))
     model.load_state_dict(state["model"])
     model.to(dtype).eval()
     return LoadedModel(model, tokenizer, cfg, int(manifest["step"]), folder.url)

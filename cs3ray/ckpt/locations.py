@@ -11,12 +11,10 @@ import json
 import logging
 import re
 
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-from cs3ray.storage import Storage, StorageError, is_remote
+from cs3ray.storage import Storage, StorageError
 
 from .chunks import METADATA, ChunkReader, ChunkStore
+from .dcp_metadata import plain_reader
 from .keeper import MemoryTier
 from .manifest import MANIFEST, CheckpointError, read_manifest, verify
 
@@ -96,11 +94,10 @@ class StorageLocation:
 
     def reader(self, step: int, manifest: dict):
         if "chunks" in manifest:
-            return ChunkReader(lambda: self.read(step, METADATA, manifest), self.store.get)
-        folder = self.folder(step)  # a format-1 checkpoint of plain DCP files, verified whole by check()
-        if is_remote(folder.url):
-            return FsspecReader(folder.url, **folder.fs.storage_options)
-        return FileSystemReader(folder.url)
+            return ChunkReader(lambda: self.read(step, METADATA, manifest), self.store.get,
+                               where=f"{self.folder(step).url}/{METADATA}")
+        # A format-1 checkpoint of plain DCP files, verified whole by check().
+        return plain_reader(self.folder(step))
 
 
 class MemoryLocation:
@@ -139,7 +136,8 @@ class MemoryLocation:
 
     def reader(self, step: int, manifest: dict):
         fetch = self.tier.fetcher(step, manifest["chunks"])
-        return ChunkReader(lambda: self.read(step, METADATA, manifest), fetch, fetch.prefetch)
+        return ChunkReader(lambda: self.read(step, METADATA, manifest), fetch, fetch.prefetch,
+                           where=f"{self.url}/{step_dir(step)}/{METADATA}")
 
 
 def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: dict) -> None:

@@ -2,6 +2,11 @@
 
 A checkpoint folder without a valid manifest does not exist as far as cs3ray is concerned, so
 a crash half-way through a save can never be mistaken for a checkpoint.
+
+The checksums prove integrity, not authorship: whoever can write the folder can rewrite the
+manifest to match. So loading never trusts the bytes it verified: `.metadata` is unpickled
+admitting DCP's classes only (dcp_metadata), and a model.target in the folder's config is
+imported only when the user passes --trust-code.
 """
 
 from __future__ import annotations

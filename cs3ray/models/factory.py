@@ -11,8 +11,21 @@ from cs3ray.errors import UserError
 from .transformer import Transformer
 
 
-def model_from_config(cfg) -> nn.Module:
-    """`cfg` is a JobConfig; `model.target` ('pkg.module:build') wins over the preset."""
+def require_trust(cfg, trust_code: bool, source: str) -> None:
+    """Refuse `cfg`'s model.target (code to import and run) unless the user gave trust_code.
+
+    For configs read from a checkpoint (`source` names it); a training config's own target is the
+    user's code and needs no such word.
+    """
+    target = cfg.model.target
+    if target and not trust_code:
+        raise UserError(f"{source} names model.target '{target}', code that loading it would import and run; "
+                        "pass --trust-code if you trust where it came from.")
+
+
+def model_from_config(cfg, trust_code: bool = True, source: str = "the config") -> nn.Module:
+    """`cfg` is a JobConfig; `model.target` ('pkg.module:build') wins over the preset (see require_trust)."""
+    require_trust(cfg, trust_code, source)
     target = cfg.model.target
     if not target:
         return Transformer(cfg.model.args())

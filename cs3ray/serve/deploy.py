@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import threading
@@ -14,16 +15,39 @@ from cs3ray.ckpt import resolve_checkpoint, resolve_run
 from cs3ray.ckpt.manifest import MANIFEST
 from cs3ray.config import build_config
 from cs3ray.errors import UserError
+from cs3ray.models.factory import require_trust
 from cs3ray.storage import is_remote
 
 from .spec import ServeSpec
 from .tuning import replica_actor_options
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an interface only this machine reaches: 127.0.0.0/8, ::1 or localhost."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to an outside interface
+
+
+def check_exposure(host: str, token: str | None, insecure: bool = False) -> None:
+    """Refuse an API without a token on an interface other machines reach, unless the user said --insecure."""
+    if token is None and not insecure and not is_loopback(host):
+        raise UserError(f"refusing to serve an API without a token on {host}, which is not a loopback interface: "
+                        "set --token or CS3_SERVE_TOKEN, or pass --insecure to serve it open.")
+
+
 def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
               overrides: dict[str, Any] | None = None, storage_options: dict | None = None,
-              route_prefix: str = "/") -> ServeSpec:
-    """Check the checkpoint is there and read its serve section (CLI values on top)."""
+              route_prefix: str = "/", host: str = "127.0.0.1", insecure: bool = False,
+              trust_code: bool = False) -> ServeSpec:
+    """What `cs3 serve` and jobs/serve.py share before any Ray: refuse an open API on a non-loopback
+    `host`, check the checkpoint is there and read its serve section (the command's values on top)."""
+    if token is not None and not token.strip():
+        raise UserError("--token is empty; give a non-empty token or leave the option out.")
+    check_exposure(host, token, insecure)
     url = resolve_run(run)
     if not is_remote(url):
         url = os.path.abspath(url)  # replicas run in other working directories
@@ -31,6 +55,7 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     if follow and folder.url.rstrip("/") == url.rstrip("/") and folder.exists(MANIFEST):
         raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
     cfg = build_config(yaml.safe_load(folder.read_text("config.yaml")), source=f"{folder.url}/config.yaml")
+    require_trust(cfg, trust_code, f"checkpoint '{folder.url}'")  # here, not first in every replica
     values = cfg.serve.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
         serve_cfg = type(cfg.serve).model_validate(values)
@@ -38,10 +63,9 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
         err = exc.errors()[0]
         raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     name = name or cfg.run.name
-    if token is not None and not token.strip():
-        raise UserError("--token is empty; give a non-empty token or leave the option out.")
     return ServeSpec(run=url, name=name, serve=serve_cfg, token=token, follow=follow,
-                     storage_options=storage_options, route_prefix=route_prefix)
+                     storage_options=storage_options, route_prefix=route_prefix, insecure=insecure,
+                     trust_code=trust_code)
 
 
 def build_app(spec: ServeSpec):
@@ -70,6 +94,7 @@ def deploy(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Start Serve's HTTP proxy (if needed) and run the app; returns its base URL once healthy."""
     from ray import serve
 
+    check_exposure(host, spec.token, spec.insecure)  # also for callers that built the spec themselves
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.route_prefix, blocking=False)

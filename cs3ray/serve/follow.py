@@ -37,7 +37,8 @@ class Follower:
         folder = resolve_checkpoint(self.spec.run, self.spec.storage_options)
         if folder.url == self.current:
             return False
-        loaded = load_for_inference(folder.url, self.spec.storage_options, dtype=self.dtype)
+        loaded = load_for_inference(folder.url, self.spec.storage_options, dtype=self.dtype,
+                                    trust_code=self.spec.trust_code)
         self.swap(loaded.model.to(self.device), loaded.step)
         self.current = loaded.url
         log.info("hot-reloaded %s (step %d)", loaded.url, loaded.step)

@@ -55,6 +55,8 @@ SERVING_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3"}
 # HAProxy's stats and metrics listeners and Serve's fallback proxy have fixed default ports; an
 # embedded cluster takes free ones, so that two of them (or one beside a `ray start` head) coexist.
+# Only their ports can be set: Serve 2.60's HAProxy template binds stats and metrics on every
+# interface whatever the Serve host (see deploy/README).
 HAPROXY_SIDE_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 SWITCH_INTERVAL_S = 0.0002

@@ -1,0 +1,73 @@
+"""Save real checkpoints of every strategy in 2 gloo processes (no Ray) and load them back on every rank."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from core_harness import MODEL, global_batches
+
+from cs3ray.ckpt import CheckpointManager
+from cs3ray.config import load_config, to_yaml
+from cs3ray.core.engine import ComputeCore
+from cs3ray.core.mesh import Topology
+from cs3ray.models import ByteTokenizer
+from cs3ray.ops.ports import free_port
+
+STRATEGIES = {"ddp": ["parallel.strategy=ddp"], "zero1": ["parallel.strategy=zero1"],
+              "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.tp=2"]}
+
+
+def _entry(rank: int, world: int, port: int, root: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    error = None
+    try:
+        batch = global_batches(1, rows=4)[0]
+        for name, overrides in STRATEGIES.items():
+            cfg = load_config(None, MODEL + [f"cluster.workers={world}", "precision=fp32", *overrides])
+            topo = Topology(rank, world, cfg.parallel.tp, ("n0",) * world)
+            core = ComputeCore(cfg, torch.device("cpu"), topo)
+            per = len(batch) // topo.dp
+            core.step(lambda: batch[topo.dp_rank * per:(topo.dp_rank + 1) * per], lr=cfg.train.lr)  # optimizer state
+            files = {"config.yaml": to_yaml(cfg), "tokenizer.json": ByteTokenizer().to_json()}
+            mgr = CheckpointManager(f"{root}/{name}", keep=1)
+            mgr.save(1, core.state(), {"step": 1}, {}, files)
+            assert mgr.load(core.state())[0] == 1  # back through the restricted reader, on every rank
+            mgr.close()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        error = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, error))
+
+
+def save_and_load_every_strategy(root: str, world: int = 2) -> None:
+    """A checkpoint of every strategy under root/<strategy>, each saved and loaded back by 2 ranks."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, root, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    deadline = time.monotonic() + 300
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            results.append(out.get(timeout=1))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):  # died before reporting
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    errors = [err for _, err in results if err]
+    assert not errors and len(results) == world, errors[0] if errors else f"exit codes {[p.exitcode for p in procs]}"
