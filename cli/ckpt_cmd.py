@@ -14,19 +14,12 @@ from rich.table import Table
 from cs3ray.ckpt import CheckpointError, resolve_run
 from cs3ray.ckpt.locations import list_steps, open_folder, step_dir
 from cs3ray.ckpt.manifest import read_manifest
+from cs3ray.config import runtime_storage_options
 from cs3ray.storage import StorageError, open_url
 
-from .common import JsonOpt, console, err_console, user_errors
+from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
 
 app = typer.Typer(help="Checkpoints of a run: list them, verify checksums, export one file.", no_args_is_help=True)
-OptionsOpt = typer.Option(None, "--storage-options", help="fsspec storage options as JSON (endpoint, keys).")
-
-
-def _options(raw: Optional[str]) -> dict:
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        raise CheckpointError("--storage-options must be a JSON object, e.g. '{\"anon\": true}'.") from None
 
 
 def _target(arg: str, options: dict) -> str:
@@ -40,9 +33,10 @@ def _target(arg: str, options: dict) -> str:
 @app.command("ls")
 @user_errors
 def ls(run: str = typer.Argument(..., help="Run name (runs/<name>), path or URL."),
-       storage_options: Optional[str] = OptionsOpt, as_json: bool = JsonOpt) -> None:
+       storage: Optional[list[str]] = StorageOverridesArg,
+       storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Complete checkpoints of a run: step, world size, total and newly written bytes."""
-    options = _options(storage_options)
+    options = runtime_storage_options(storage or [], storage_options)
     storage = open_url(resolve_run(run), options)
     try:
         if not storage.exists():
@@ -69,9 +63,10 @@ def ls(run: str = typer.Argument(..., help="Run name (runs/<name>), path or URL.
 @app.command("verify")
 @user_errors
 def verify(target: str = typer.Argument(..., help="RUN (every checkpoint), RUN/STEP or a checkpoint folder."),
-           storage_options: Optional[str] = OptionsOpt, as_json: bool = JsonOpt) -> None:
+           storage: Optional[list[str]] = StorageOverridesArg,
+           storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Hash every file and every chunk against the manifest; exit 2 if any checkpoint is bad."""
-    options = _options(storage_options)
+    options = runtime_storage_options(storage or [], storage_options)
     url = _target(target, options)
     storage = open_url(resolve_run(url), options)
     try:
@@ -102,20 +97,26 @@ def verify(target: str = typer.Argument(..., help="RUN (every checkpoint), RUN/S
 @app.command("export")
 @user_errors
 def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), RUN/STEP or a checkpoint folder."),
+           storage: Optional[list[str]] = StorageOverridesArg,
            fmt: str = typer.Option("safetensors", "--format", help="safetensors or torch (a plain dict of tensors)."),
            out: Optional[str] = typer.Option(None, "--out", "-o", help="Output file (default: model-step<N>.<ext>)."),
-           storage_options: Optional[str] = OptionsOpt, as_json: bool = JsonOpt) -> None:
+           dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast the tensors to fp32, bf16 or fp16 "
+                                                                     "(default: as stored, fp32)."),
+           storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Write one consolidated model file that loads without cs3ray (safetensors or torch.load)."""
     from cs3ray.ckpt.export import FORMATS, export as export_ckpt
+    from cs3ray.core.precision import DTYPES
 
     if fmt not in FORMATS:
         raise CheckpointError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'.")
-    options = _options(storage_options)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
+    options = runtime_storage_options(storage or [], storage_options)
     url = _target(target, options)
     ext = "safetensors" if fmt == "safetensors" else "pt"
     path = out or f"model-{os.path.basename(url.rstrip('/'))}.{ext}"
-    r = export_ckpt(url, path, fmt, options)
-    (err_console if as_json else console).print(f"exported step {r['step']}: {r['tensors']} tensors, {r['bytes'] / 2**20:,.1f} MB -> {r['path']}",
+    r = export_ckpt(url, path, fmt, options, DTYPES[dtype] if dtype else None)
+    (err_console if as_json else console).print(f"exported step {r['step']}: {r['tensors']} {r['dtype']} tensors, {r['bytes'] / 2**20:,.1f} MB -> {r['path']}",
                   highlight=False)
     if as_json:
         print(json.dumps(r))

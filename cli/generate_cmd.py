@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from cs3ray.ckpt import load_for_inference
+from cs3ray.config import runtime_storage_options
+from cs3ray.core.precision import inference_dtype
 from cs3ray.models.generate import SamplingParams, generate_text
 
-from .common import console, user_errors
+from .common import StorageOptionsOpt, StorageOverridesArg, console, user_errors
 
 
 @user_errors
 def generate(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL."),
+             storage: Optional[list[str]] = StorageOverridesArg,
              prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
              max_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
              temperature: float = typer.Option(0.8, min=0.0, help="0 means greedy."),
              top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0: all)."),
              top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass."),
-             seed: int = typer.Option(None, help="Seed for reproducible sampling.")) -> None:
+             seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+             trust_code: bool = typer.Option(False, "--trust-code", help="Import and run the model.target code the "
+                                                                         "checkpoint's config names."),
+             dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32 "
+                                                            "(default: serve.dtype of the run's config)."),
+             storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Continue PROMPT with the newest checkpoint of RUN."""
-    loaded = load_for_inference(run)
+    wanted = inference_dtype(dtype, "cpu") if dtype else None  # a bad name is refused before loading
+    loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code)
+    # Whatever precision the run trained in: the checkpoint holds fp32 weights, cast here.
+    loaded.model.to(wanted or inference_dtype(loaded.config.serve.dtype, "cpu"))
     budget = loaded.model.args.max_seq_len - len(loaded.tokenizer.encode(prompt)) - 1
     if budget <= 0:
         raise typer.BadParameter(f"the prompt is longer than the model's context ({loaded.model.args.max_seq_len} tokens)")

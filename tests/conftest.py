@@ -50,6 +50,28 @@ def ray_client(ray_head):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def short_run(ray_head, tmp_path_factory):
+    """`short_run(precision)`: (run dir, summary) of 4 steps of a small model that `cs3 train` ran on the
+    session's head in that precision, trained once per precision (bf16 is emulated on AVX2-only CPUs).
+    One worker: the strategies across ranks run in every precision in tests/unit/test_core_equivalence.py."""
+    import json
+
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def train(precision: str) -> tuple[Path, dict]:
+        if precision not in runs:
+            run_dir = tmp_path_factory.mktemp(f"short-{precision}") / "run"
+            proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"precision={precision}",
+                            "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
+                            "train.seq_len=32", "train.batch_size=4", "train.steps=4", "train.warmup_steps=0",
+                            "train.log_every=1", "train.eval_every=4", "checkpoint.every=4", "cluster.workers=1",
+                            "--address", ray_head.address, "--json"], env=ray_head.env(), check=True)
+            runs[precision] = run_dir, json.loads(proc.stdout.strip().splitlines()[-1])
+        return runs[precision]
+    return train
+
+
 def run_cs3(args: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 600,
             check: bool = False) -> subprocess.CompletedProcess:
     """Run the installed `cs3` console script as a user would."""

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from cs3ray.config import load_config
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
+from cs3ray.core.state import local_optimizer
 
 MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=64", "model.max_seq_len=32",
          "train.seq_len=16", "train.clip=1.0", "train.lr=1e-2", "train.warmup_steps=0"]
@@ -60,7 +61,12 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
             break
     core.evaluate([batches[0][: cfg.train.batch_size]])
     captured = core.state()["optim"]["state"]
+    optim = local_optimizer(core.optimizer)
+    # Master weights: parameters and AdamW moments stay fp32 whatever precision computes.
+    master = {str(p.dtype) for p in core.params} | {str(v.dtype) for st in optim.state.values()
+                                                     for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
     return {"losses": losses, "applied": applied, "memory": core.memory(), "scale": core.scaler.scale,
+            "master_dtypes": sorted(master),
             "skipped": core.scaler.skipped, "optim_entries_after_eval": len(captured),
             "trainable": len({id(p) for p in core.model.parameters()})}
 

@@ -12,7 +12,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from cs3ray.errors import UserError
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRECISIONS = ("auto", *DTYPES)
 
 
 def native_bf16(device: torch.device | str) -> bool:
@@ -37,6 +40,17 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
     if native_bf16(device):
         return "bf16"
     return "fp16" if torch.device(device).type == "cuda" else "fp32"
+
+
+def inference_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """The dtype a model is cast to for inference (serve, generate, bench serve).
+
+    'auto' resolves as for training; a named precision is kept as asked on every device (fp16
+    on a CPU without fp16 matmul hardware is slow, but computes what was asked).
+    """
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision '{precision}': use one of {', '.join(PRECISIONS)}.")
+    return DTYPES[resolve_precision(precision, device)]
 
 
 def compute_dtype(precision: str) -> torch.dtype:

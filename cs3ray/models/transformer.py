@@ -170,6 +170,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
+    def _apply(self, fn, recurse: bool = True):
+        # `.to(bf16)` / `.half()` cast every floating buffer; the rotary tables stay fp32 (as under
+        # autocast in training): a bf16 table rotates late positions by visibly wrong angles.
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
+
     def reset_parameters(self) -> None:
         """GPT-2 style init: N(0, 0.02), residual projections scaled by depth."""
         std = 0.02

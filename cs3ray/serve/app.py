@@ -74,7 +74,7 @@ async def read_json(request: Request) -> Any:
 def load_replica(spec: ServeSpec, device: str):
     """A replica's first steps: torch's threads from its CPU share, then the checkpoint on `device`."""
     torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
-    loaded = load_for_inference(spec.run, spec.storage_options, dtype=spec.dtype(device))
+    loaded = load_for_inference(spec.run, spec.storage_options, dtype=spec.dtype(device), trust_code=spec.trust_code)
     loaded.model.to(device)
     return loaded
 
@@ -127,8 +127,8 @@ class LLMServer:
         if not self.engine.alive():
             raise APIError(503, "the engine process has stopped", "server_error")
         load = self.engine.load()
-        return {"status": "ok", "checkpoint": self.fingerprint, "running": load["running"],
-                "waiting": load["waiting"], "steps": load["steps"],
+        return {"status": "ok", "checkpoint": self.fingerprint, "dtype": str(self.dtype).removeprefix("torch."),
+                "running": load["running"], "waiting": load["waiting"], "steps": load["steps"],
                 "busy_s": round(load["busy_s"], 3), "cpu_s": round(load["cpu_s"], 3)}
 
     @api.get("/v1/models")

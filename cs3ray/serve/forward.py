@@ -103,7 +103,9 @@ def ragged_forward(model: Transformer, cache: SlotCache, decode: Decode | None =
         slots.append(prefill.slots.repeat_interleave(t))
     tokens_, positions_ = torch.cat(tokens), torch.cat(positions)
     where = cache.index(torch.cat(slots), positions_)
-    cis = torch.complex(model.rope_cos[positions_], model.rope_sin[positions_]).unsqueeze(1)
+    # The rotation runs in fp32 whatever the model's dtype (torch has no complex bf16; complex
+    # fp16 is experimental): _rope casts the rotated q/k back.
+    cis = torch.complex(model.rope_cos[positions_].float(), model.rope_sin[positions_].float()).unsqueeze(1)
     if d:
         span = int(decode.positions.max()) + 1
         first = cache.first_of(decode.slots)

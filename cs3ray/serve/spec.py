@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cs3ray.config.schema import ServeConfig
-from cs3ray.core.precision import DTYPES, resolve_precision
+from cs3ray.core.precision import inference_dtype
 
 from .engine import EngineOptions
 from .pump import Pacer
@@ -21,9 +21,11 @@ class ServeSpec:
     run: str  # absolute path or URL of a run directory or one checkpoint folder
     name: str  # application name, also the model id clients send
     serve: ServeConfig = field(default_factory=ServeConfig)
-    token: str | None = None  # bearer token; None leaves the API open
+    token: str | None = field(default=None, repr=False)  # bearer token; None leaves the API open
+    insecure: bool = False  # the user allows an open API on an interface other machines reach
+    trust_code: bool = False  # the user allows importing a model.target named by the checkpoint's config
     follow: bool = False  # poll `run` for newer checkpoints and hot-swap them in
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)  # credentials: kept out of logs
     route_prefix: str = "/"
     # Extra keys of Serve's autoscaling_config (upscale_delay_s, downscale_delay_s, look_back_period_s...)
     # on top of min/max/target from the serve section; used only when autoscaling is on.
@@ -42,6 +44,5 @@ class ServeSpec:
         return Pacer(self.serve.stream_interval_ms / 1e3, self.stream_events_per_s)
 
     def dtype(self, device: str) -> torch.dtype:
-        """The inference dtype; fp16 is GPU-only (CPU fp16 kernels are slow and partly missing)."""
-        dtype = DTYPES[resolve_precision(self.serve.dtype, device)]
-        return torch.bfloat16 if dtype == torch.float16 and device == "cpu" else dtype
+        """The inference dtype serve.dtype asks for on `device` (a named precision as asked)."""
+        return inference_dtype(self.serve.dtype, device)

@@ -135,6 +135,33 @@ def test_auth(app):
     assert status == 401 and body["error"]["type"] == "authentication_error"
 
 
+def call(url: str, method: str, path: str, token: str | None) -> tuple[int, dict]:
+    """One request with an empty JSON object as its body (for POST), the status and the JSON answer."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = b"{}" if method == "POST" else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data=data, headers=headers, method=method),
+                                    timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_every_v1_route_needs_the_token_and_healthz_does_not(app):
+    # The routes the app really serves (its OpenAPI document), so a route added later is covered too.
+    with urllib.request.urlopen(f"{app}/openapi.json", timeout=30) as r:
+        paths = json.loads(r.read())["paths"]
+    routes = [(path, method.upper()) for path, ops in paths.items() if path.startswith("/v1/") for method in ops]
+    assert {path for path, _ in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+    for path, method in routes:
+        for token in (None, "wrong", TOKEN + "x"):
+            status, body = call(app, method, path, token)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (method, path, token, body)
+        status, _ = call(app, method, path, TOKEN)
+        assert status != 401, (method, path)  # the right token passes (an empty body is then a 400)
+    assert call(app, "GET", "/healthz", None)[0] == 200
+
+
 BAD = [
     ("malformed json", b'{"model": "tiny-test", "prompt": ', 400),
     ("not an object", b'[1, 2]', 400),
@@ -171,6 +198,27 @@ def test_openai_client_sees_bad_request_and_unknown_route(app):
     with pytest.raises(openai.NotFoundError) as info:
         client(app).embeddings.create(model="tiny-test", input="a")
     assert info.value.body["code"] == "not_found"
+
+
+@pytest.mark.parametrize("trained, served", [("bf16", "fp16"), ("fp16", "bf16")])
+def test_a_run_trained_in_one_precision_serves_in_another(http_port, short_run, trained, served):
+    # fp32 is the `app` above. The checkpoints hold fp32 weights whatever trained them; bf16 serving
+    # needs the rotary factors in fp32 (torch has no complex bf16).
+    run_dir, _ = short_run(trained)
+    name = f"{trained}-as-{served}"
+    spec = make_spec(str(run_dir), name=name, route_prefix=f"/{name}", overrides={"dtype": served, "max_batch": 4})
+    url = deploy(spec, "127.0.0.1", http_port)
+    try:
+        assert status_of(url)["dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[served]
+        c = client(url, token=None)
+        whole = c.completions.create(model=name, prompt="def ", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        assert whole.usage.completion_tokens == 8 and whole.system_fingerprint == "step-4"
+        chunks = list(c.completions.create(model=name, prompt="def ", max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    finally:
+        shutdown(spec.name)
 
 
 def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
@@ -268,7 +316,9 @@ def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
     run = tmp_path / "run"
     make_checkpoint(run, step=4)
     cmd = ["ray", "job", "submit", "--address", ray_head.dashboard_url, "--no-wait", "--working-dir", ".",
-           "--runtime-env-json", json.dumps({"excludes": ["runs/", ".cs3/", ".git/", "*.egg-info/"]}), "--",
+           # The token travels in the job's environment, as the README shows.
+           "--runtime-env-json", json.dumps({"excludes": ["runs/", ".cs3/", ".git/", "*.egg-info/"],
+                                             "env_vars": {"CS3_SERVE_TOKEN": TOKEN}}), "--",
            "python", "jobs/serve.py", str(run), "--host", "127.0.0.1", "--port", str(http_port), "--name", "job-test"]
     for _ in range(20):  # the job agent can take a few seconds to come up on a busy machine
         submit = subprocess.run(cmd, env=ray_head.env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -282,7 +332,7 @@ def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
         deadline, out = time.time() + 180, None  # a job starts a driver and a replica: slow on a busy machine
         while time.time() < deadline:
             try:
-                out = client(base, token=None).completions.create(model="job-test", prompt="a", max_tokens=2)
+                out = client(base).completions.create(model="job-test", prompt="a", max_tokens=2)
                 break
             except (openai.APIError, OSError):
                 time.sleep(1)
@@ -291,6 +341,8 @@ def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
                                   capture_output=True, text=True, timeout=60)
             raise AssertionError(f"the job's app never answered; job log:\n{logs.stdout[-3000:]}")
         assert out.system_fingerprint == "step-4"
+        with pytest.raises(openai.AuthenticationError):
+            client(base, token=None).models.list()
     finally:
         subprocess.run(["ray", "job", "stop", "--address", ray_head.dashboard_url, job], env=ray_head.env(),
                        capture_output=True, timeout=120)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -25,14 +27,16 @@ def _events(run_dir):
 def trained(ray_head, tmp_path_factory):
     """One tiny run with 2 workers, shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    # fp32 named: the same run on every host (auto is bf16 on some). bf16, emulated and slow on
+    # AVX2-only CPUs, and fp16 train in the short runs below.
     proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"train.steps={STEPS}", *FAST,
-                    "--address", ray_head.address, "--json"], env=ray_head.env(), check=True)
+                    "precision=fp32", "--address", ray_head.address, "--json"], env=ray_head.env(), check=True)
     return run_dir, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_train_learns_checkpoints_and_summarises(trained):
     run_dir, summary = trained
-    assert summary["steps"] == STEPS and summary["workers"] == 2
+    assert summary["steps"] == STEPS and summary["workers"] == 2 and summary["precision"] == "fp32"
     assert summary["final_val_loss"] < 0.75 * summary["initial_val_loss"]
     assert summary["tokens_per_s"] > 0
     assert 0 < summary["mfu"] <= 1  # against a peak every worker measured at the same moment
@@ -50,6 +54,39 @@ def test_generate_prints_text(trained):
     run_dir, _ = trained
     proc = run_cs3(["generate", str(run_dir), "--prompt", "def ", "--max-tokens", "40", "--seed", "0"], check=True)
     assert proc.stdout.startswith("def ") and len(proc.stdout.strip()) > 10
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_short_run_trains_in_each_half_precision(short_run, precision):
+    run_dir, summary = short_run(precision)
+    assert summary["precision"] == precision and summary["steps"] == 4
+    progress = [e for e in _events(run_dir) if e["event"] == "progress"]
+    assert [e["step"] for e in progress] == [1, 2, 3, 4]
+    assert all(math.isfinite(e["loss"]) for e in progress) and math.isfinite(summary["final_val_loss"])
+    assert progress[-1]["loss"] < progress[0]["loss"]
+    scales = {e["loss_scale"] for e in progress}
+    if precision == "fp16":
+        assert min(scales) >= 2.0 ** 10, scales  # the loss scaler is on (and rarely backs off)
+    else:
+        assert scales == {1.0}  # bf16 needs no loss scaling
+
+
+def test_a_fp16_run_generates_and_exports_in_bf16(short_run, tmp_path):
+    run_dir, _ = short_run("fp16")
+    gen = run_cs3(["generate", str(run_dir), "--dtype", "bf16", "--prompt", "def ", "--max-tokens", "8",
+                   "--seed", "0"], check=True)
+    assert gen.stdout.startswith("def ")
+    out = tmp_path / "model.safetensors"
+    exported = run_cs3(["ckpt", "export", str(run_dir), "--dtype", "bf16", "--out", str(out), "--json"], check=True)
+    assert json.loads(exported.stdout.strip().splitlines()[-1])["dtype"] == "bfloat16"
+    # The file loads with safetensors alone, in a process that never imports cs3ray.
+    code = ("import sys; from safetensors.torch import load_file; t = load_file(sys.argv[1]); "
+            "print(','.join(sorted({str(v.dtype) for v in t.values()})), len(t), 'cs3ray' in sys.modules)")
+    check = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=120)
+    assert check.returncode == 0, check.stderr
+    tensors = 2 + 2 * 9 + 1  # embedding and tied output, 9 in each of 2 blocks, final norm
+    assert check.stdout.split() == ["torch.bfloat16", str(tensors), "False"]
 
 
 def test_reusing_a_run_name_needs_resume_or_overwrite(trained, ray_head):

@@ -1,5 +1,7 @@
 """Every strategy computes what a single process computes; fp16 skips inf steps; memory is sharded."""
 
+import math
+
 import pytest
 
 from core_harness import global_batches, run_core, run_distributed
@@ -10,7 +12,7 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def single():
     batches = global_batches(STEPS, rows=8)
-    return batches, {prec: run_core([f"precision={prec}"], 0, 1, batches) for prec in ("fp32", "bf16")}
+    return batches, {prec: run_core([f"precision={prec}"], 0, 1, batches) for prec in ("fp32", "bf16", "fp16")}
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +38,25 @@ def test_fp32_matches_single_process(single, distributed, strategy):
         assert abs(a - b) < 1e-5, (strategy, got, want)
 
 
+# bf16 keeps 8 mantissa bits: losses of ~5.5 agree to about 1e-2 after 5 steps of lr 1e-2; fp16 keeps 11.
+HALF_TOL = {"bf16": 3e-2, "fp16": 5e-3}
+
+
+@pytest.mark.parametrize("precision", HALF_TOL)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "tp"])
-def test_bf16_matches_within_tolerance(single, distributed, strategy):
-    # bf16 keeps 8 mantissa bits: losses of ~5.5 agree to about 1e-2 after 5 steps of lr 1e-2.
+def test_half_precision_matches_within_tolerance_on_fp32_master_weights(single, distributed, strategy, precision):
     _, ref = single
-    got = distributed["rank0"][f"{strategy}-bf16"]["losses"]
-    for a, b in zip(got, ref["bf16"]["losses"]):
-        assert abs(a - b) < 3e-2, (strategy, got, ref["bf16"]["losses"])
+    want = ref[precision]["losses"]
+    got = distributed["rank0"][f"{strategy}-{precision}"]["losses"]
+    assert len(got) == (STEPS if precision == "bf16" else 3)  # the fp16 runs stop at their overflow
+    for a, b in zip(got, want):
+        assert math.isfinite(a) and abs(a - b) < HALF_TOL[precision], (strategy, got, want)
+    for rank in ("rank0", "rank1"):
+        r = distributed[rank][f"{strategy}-{precision}"]
+        assert r["master_dtypes"] == ["torch.float32"], (strategy, rank, r["master_dtypes"])
+    # The loss scaler runs in fp16 only (the overflow test checks it backs off; here it scaled clean steps).
+    assert ref[precision]["scale"] == (2.0 ** 16 if precision == "fp16" else 1.0)
+    assert ref[precision]["applied"] == [True] * STEPS
 
 
 def test_fsdp_and_zero1_shard_state(distributed):

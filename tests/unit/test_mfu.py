@@ -25,6 +25,23 @@ def test_peak_is_measured_and_positive():
     assert measure_peak(torch.float32, 1, size=256, seconds=0.1) > 1e8
 
 
+def test_a_slow_dtype_keeps_the_peak_measurement_near_its_budget():
+    # fp16 products are emulated on most CPUs (and slow on all): a worker training in fp16 measures
+    # its peak with one warm-up and single timed products, not seven products whatever they cost.
+    import time
+
+    import torch
+
+    a = torch.randn(512, 512).half()
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert measure_peak(torch.float16, 1, size=512, seconds=one / 4) > 0
+    assert time.perf_counter() - t0 < 5 * one
+
+
 def test_auto_precision_is_bf16_only_on_bf16_hardware():
     assert resolve_precision("auto", "cpu") == ("bf16" if native_bf16("cpu") else "fp32")
     assert resolve_precision("fp16", "cpu") == "fp16"  # a named precision is kept as asked

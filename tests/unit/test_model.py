@@ -1,8 +1,10 @@
 """Model shapes, KV-cache equivalence, tokenizer round trip, FLOPs by hand."""
 
+import pytest
 import torch
 
 from cs3ray.models import PRESETS, ByteTokenizer, KVCache, ModelArgs, Transformer, param_count, train_flops_per_token
+from cs3ray.models.transformer import rope_tables
 from cs3ray.models.generate import SamplingParams, generate_ids, sample_next
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=264, max_seq_len=64)
@@ -31,6 +33,17 @@ def test_kv_cache_matches_full_forward():
     for i in range(7, 20):  # then one token at a time
         pieces.append(model(tokens[:, i:i + 1], cache))
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_cast_to_half_keeps_its_rotary_tables_fp32(dtype):
+    # bf16 has 8 mantissa bits: a bf16 cos/sin table rotates late positions by visibly wrong angles.
+    model = Transformer(SMALL).to(dtype)
+    cos, sin = rope_tables(SMALL.head_dim, SMALL.max_seq_len, SMALL.rope_theta)
+    assert model.tok_emb.weight.dtype == dtype
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    assert model.float().rope_cos.dtype == torch.float32
 
 
 def test_context_overflow_is_refused():

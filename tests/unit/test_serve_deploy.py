@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import time
+import uuid
+from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_cs3
 from serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
-from cs3ray.serve.deploy import build_app, make_spec
+from cs3ray.serve.deploy import build_app, check_exposure, make_spec
 from cs3ray.serve.tuning import (HAPROXY_ENV, HAPROXY_SIDE_PORTS, export_cluster_env, haproxy_binary,
                                  replica_actor_options)
 
@@ -29,6 +35,16 @@ def test_spec_reads_the_checkpoints_serve_section_with_cli_overrides(tmp_path):
     # Serve runs the replica's routes on its main event loop (see serve.tuning).
     assert actor["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     assert config.autoscaling_config is None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_named_precision_is_served_as_asked_on_cpu(tmp_path, precision):
+    import torch
+
+    make_checkpoint(tmp_path / "run")
+    spec = make_spec(str(tmp_path / "run"), overrides={"dtype": precision})
+    # fp16 too: slow on a CPU without fp16 matmuls, but not silently served in another precision.
+    assert spec.dtype("cpu") == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def test_autoscaling_from_config(tmp_path):
@@ -83,3 +99,90 @@ def test_user_errors(tmp_path):
         make_spec(str(tmp_path / "run"), overrides={"dtype": "fp8"})
     with pytest.raises(UserError, match="--token is empty"):
         make_spec(str(tmp_path / "run"), token=" ")
+
+
+@pytest.mark.parametrize("host,token,insecure,allowed", [
+    ("127.0.0.1", None, False, True), ("127.8.9.10", None, False, True), ("::1", None, False, True),
+    ("[::1]", None, False, True), ("localhost", None, False, True),
+    ("0.0.0.0", None, False, False), ("::", None, False, False), ("10.1.2.3", None, False, False),
+    ("node-7.cluster", None, False, False),
+    ("0.0.0.0", "tok", False, True), ("0.0.0.0", None, True, True), ("10.1.2.3", None, True, True),
+])
+def test_an_open_api_beyond_loopback_needs_a_token_or_insecure(host, token, insecure, allowed):
+    if allowed:
+        check_exposure(host, token, insecure)
+        return
+    with pytest.raises(UserError, match=r"--token or CS3_SERVE_TOKEN, or pass --insecure") as info:
+        check_exposure(host, token, insecure)
+    assert "\n" not in str(info.value)
+
+
+def test_make_spec_checks_exposure_first_and_keeps_the_users_word(tmp_path):
+    with pytest.raises(UserError, match="--insecure"):
+        make_spec(str(tmp_path / "missing"), host="0.0.0.0")  # before even looking for the run
+    make_checkpoint(tmp_path / "run")
+    spec = make_spec(str(tmp_path / "run"), host="0.0.0.0", insecure=True)
+    assert spec.insecure and spec.token is None and not spec.trust_code
+    assert make_spec(str(tmp_path / "run"), host="0.0.0.0", token="t").token == "t"
+    assert "s3cret" not in repr(make_spec(str(tmp_path / "run"), token="s3cret"))  # the token stays out of logs
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds `marker` (what a child of ours inherits)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_cli_serve_beyond_loopback_without_token_exits_2_before_starting_ray(tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run)
+    marker = f"CS3_TEST_MARKER={uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "CS3_SERVE_TOKEN")}
+    env[marker.split("=")[0]] = marker.split("=")[1]
+    start = time.monotonic()
+    proc = run_cs3(["serve", str(run), "--host", "0.0.0.0"], env=env, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert "--token" in proc.stderr and "CS3_SERVE_TOKEN" in proc.stderr and "--insecure" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not processes_with(marker), "cs3 serve started processes (Ray) before refusing"
+    assert took < 30, f"the refusal took {took:.1f} s: it should come before Ray starts"  # CLI start-up, busy host
+
+
+def jobs_serve():
+    """jobs/serve.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("jobs_serve", ROOT / "jobs" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jobs_serve_on_its_default_host_needs_a_token_before_connecting(tmp_path, monkeypatch, capsys):
+    make_checkpoint(tmp_path / "run")
+    monkeypatch.delenv("CS3_SERVE_TOKEN", raising=False)
+    # Nothing listens there: a job that tried to connect first would fail with another message.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert jobs_serve().main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--token or CS3_SERVE_TOKEN, or pass --insecure" in err and "0.0.0.0" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_jobs_serve_takes_every_option_of_cs3_serve(capsys):
+    import typer.main
+
+    from cs3ray_cli.main import app
+
+    command = typer.main.get_command(app).commands["serve"]
+    cli = {opt for p in command.params for opt in p.opts if opt.startswith("--")}
+    with pytest.raises(SystemExit):
+        jobs_serve().main(["--help"])
+    job = set(re.findall(r"(--[a-z][a-z-]*)", capsys.readouterr().out))
+    # A job runs on the cluster it was submitted to until `ray job stop`: no --address, no --detach.
+    assert cli - {"--address", "--detach", "--help"} <= job, cli - job

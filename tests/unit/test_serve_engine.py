@@ -10,10 +10,15 @@ from cs3ray.models.generate import SamplingParams, generate_ids
 from cs3ray.serve.engine import Engine, EngineOptions, QueueFull
 from cs3ray.serve.forward import Decode, Prefill, ragged_forward
 from cs3ray.serve.kv import SlotCache
-from cs3ray.serve.sequence import Event, GenRequest
+from cs3ray.serve.sequence import Event, GenRequest, Sequence
 
 EOS = 257
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+# Every precision on every host (bf16 is emulated on AVX2-only CPUs: the shapes stay tiny). The
+# tolerance is how far the engine's logits may be from the model's own forward in that precision:
+# on CPU the engine keeps keys/values in fp32 (see kv.cache_dtype), the model in its own dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 4e-3}
 
 
 def model(dtype: torch.dtype = torch.float32) -> Transformer:
@@ -40,47 +45,56 @@ def text(evs: list[Event]) -> str:
     return "".join(e.text for e in evs)
 
 
-def test_ragged_forward_matches_the_model_with_its_own_cache():
-    m = model()
-    cache = SlotCache(m.args, 4, torch.float32)
+@pytest.mark.parametrize("precision", DTYPES)
+def test_ragged_forward_matches_the_model_with_its_own_cache(precision):
+    dtype, tol = DTYPES[precision], TOL[precision]
+    m = model(dtype)
+    cache = SlotCache(m.args, 4, dtype)
     ids = torch.randint(0, 256, (1, 17))
     slot = cache.allocate()
     got = ragged_forward(m, cache, prefill=Prefill(ids, torch.tensor([17]), torch.tensor([slot])))
-    ref_cache = KVCache(m.args, 1, 32, torch.float32)
+    ref_cache = KVCache(m.args, 1, 32, dtype)
     with torch.inference_mode():
         ref = m(ids, ref_cache)[:, -1]
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     nxt = torch.tensor([[7]])
     got = ragged_forward(m, cache, Decode(nxt[0], torch.tensor([17]), torch.tensor([slot])))
     with torch.inference_mode():
         ref = m(nxt, ref_cache)[:, -1]
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    # ... and both stay within the precision's reach of the fp32 model.
+    with torch.inference_mode():
+        exact = model()(torch.cat([ids, nxt], 1))[:, -1]
+    torch.testing.assert_close(got.float(), exact, rtol=tol, atol=tol)
 
 
-def test_one_forward_decodes_and_prefills_as_separate_forwards_would():
+@pytest.mark.parametrize("precision", DTYPES)
+def test_one_forward_decodes_and_prefills_as_separate_forwards_would(precision):
     """A step that admits prompts while others decode gives each row what it would get alone
     (rows sit in any slots: a gathered read as well as a view)."""
-    m = model()
+    dtype, tol = DTYPES[precision], TOL[precision]
+    m = model(dtype)
     prompt_a, prompt_b, prompt_c = (torch.randint(0, 256, (1, n)) for n in (9, 5, 12))
 
     def prefill(cache: SlotCache, ids: torch.Tensor, slot: int) -> torch.Tensor:
         return ragged_forward(m, cache, prefill=Prefill(ids, torch.tensor([ids.shape[1]]), torch.tensor([slot])))
 
-    apart = SlotCache(m.args, 4, torch.float32)
+    apart = SlotCache(m.args, 4, dtype)
     prefill(apart, prompt_a, 3)
     prefill(apart, prompt_b, 1)
     decodes = ragged_forward(m, apart, Decode(torch.tensor([5, 6]), torch.tensor([5, 9]), torch.tensor([1, 3])))
     prompts_ = [prefill(apart, prompt_c, 0), prefill(apart, prompt_b[:, :3], 2)]
 
-    together = SlotCache(m.args, 4, torch.float32)
+    together = SlotCache(m.args, 4, dtype)
     prefill(together, prompt_a, 3)
     prefill(together, prompt_b, 1)
     padded = torch.cat([prompt_c, torch.cat([prompt_b[:, :3], torch.zeros(1, 9, dtype=torch.long)], 1)])
     mixed = ragged_forward(m, together, Decode(torch.tensor([5, 6]), torch.tensor([5, 9]), torch.tensor([1, 3])),
                            Prefill(padded, torch.tensor([12, 3]), torch.tensor([0, 2])))
-    torch.testing.assert_close(mixed, torch.cat([decodes, *prompts_]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed, torch.cat([decodes, *prompts_]), rtol=tol, atol=tol)
     for slot, n in ((0, 12), (1, 6), (2, 3), (3, 10)):  # what later steps will read matches too
-        torch.testing.assert_close(together.k[:, slot, :, :n], apart.k[:, slot, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together.k[:, slot, :, :n], apart.k[:, slot, :, :n], rtol=tol, atol=tol)
 
 
 def test_greedy_is_identical_alone_and_in_a_full_batch_fp32():
@@ -94,6 +108,39 @@ def test_greedy_is_identical_alone_and_in_a_full_batch_fp32():
         ref = generate_ids(m, p, GREEDY, stop_ids=(EOS,))
         assert text(evs) == bytes(t for t in ref if t < 256).decode("utf-8", errors="replace")
         assert evs[-1].completion_tokens == len(ref) and evs[-1].prompt_tokens == len(p)
+
+
+@pytest.mark.parametrize("precision", DTYPES)
+def test_engine_runs_prefill_decode_and_mixed_steps_in_every_precision(precision, monkeypatch):
+    """Requests arriving while another decodes (mixed steps) in each precision: every token the
+    engine picks greedily is the argmax of the model's own forward over the same ids, up to
+    the precision's tolerance."""
+    dtype, tol = DTYPES[precision], TOL[precision]
+    m = model(dtype)
+    picked: dict[int, list[int]] = {}
+    accept = Sequence.accept
+    monkeypatch.setattr(Sequence, "accept", lambda s, tok: (picked.setdefault(id(s.req), []).append(tok),
+                                                            accept(s, tok))[1])
+    engine = Engine(m, EOS, EngineOptions(max_batch=3))
+    reqs = [GenRequest(p, SamplingParams(temperature=0.0, max_tokens=6), ignore_eos=True, emit=lambda e: None)
+            for p in prompts(3)]
+    engine.submit(reqs[0])
+    engine.step()  # prefill only
+    engine.step()  # decode only
+    for r in reqs[1:]:
+        engine.submit(r)
+    mixed = False
+    while engine.running or engine.waiting:
+        mixed |= bool(engine.waiting) and any(s.pending is not None for s in engine.running)
+        engine.step()
+    assert mixed  # a step decoded and prefilled together
+    for r in reqs:
+        out = picked[id(r)]
+        assert len(out) == 6
+        with torch.inference_mode():
+            logits = m(torch.tensor([r.prompt_ids + out[:-1]]))[0, len(r.prompt_ids) - 1:].float()
+        chosen = logits.gather(1, torch.tensor(out).view(-1, 1)).squeeze(1)
+        assert bool((logits.max(1).values - chosen <= 2 * tol).all()), (precision, out)
 
 
 def test_sequences_join_and_leave_between_steps_and_queue_when_slots_are_full():
