@@ -10,55 +10,56 @@ import typer
 
 from cs3ray.bench import cache as cache_bench
 from cs3ray.bench import peak
-from cs3ray.bench.report import emit
+from cs3ray.bench.report import EXIT_CODES, emit, measured
 
 from .common import JsonOpt, err_console, user_errors
 
-app = typer.Typer(help="Benchmarks: each compares cs3ray with its peer in one run and prints ratios.",
+app = typer.Typer(help="Benchmarks: each compares cs3ray with its peer in one run and prints ratios. " + EXIT_CODES,
                   no_args_is_help=True)
 QuickOpt = typer.Option(False, "--quick", help="A short run (seconds) for smoke tests.")
 
 
-@app.command("train")
+@app.command("train", epilog=EXIT_CODES)
 @user_errors
 def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),
               threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Threads for the peer and for 1 worker."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
-    """Plain PyTorch loop vs. cs3ray 1 worker vs. 2 workers per strategy: tokens/s, MFU, memory."""
+    """Plain PyTorch loop vs. the same loop in Ray Train vs. cs3ray, 1 worker (3 interleaved rounds), and
+    2 workers per strategy: tokens/s, MFU, memory."""
     from cs3ray.bench import train as train_bench
 
-    r = train_bench.run(config, quick, threads, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("train", train_bench.run, config, quick, threads,
+                 log=lambda line: err_console.print(line, highlight=False))
     emit(f"training throughput ({r['config']}, {r['threads']} threads, peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
-         f"overhead ratio {r['overhead_ratio']:.3f}, fsdp/ddp state {r['fsdp_state_ratio']:.2f})",
+         f"medians of {r['rounds']} rounds: overhead ratio {r['overhead_ratio']:.3f}, vs Ray Train "
+         f"{r['overhead_vs_ray_train']:.3f}; fsdp/ddp state {r['fsdp_state_ratio']:.2f})",
          ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
 
 
-@app.command("recovery")
+@app.command("recovery", epilog=EXIT_CODES)
 @user_errors
 def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """SIGKILL a worker mid-run: time back to training, cs3ray vs. a plain Ray Train loop."""
     from cs3ray.bench import recovery
 
-    r = recovery.run(quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"recovery from a worker SIGKILL (snapshot every {r['interval_steps']} steps; "
-         f"ratio {r['recovery_ratio']:.2f} of Ray Train's)",
-         ["run", "kill -> next step (s)", "kill -> full size (s)", "steps lost", "state from"],
-         [*((f"cs3ray ({mode})", m["recovery_s"], m["full_size_s"], m["steps_lost"], m["restored_from"])
-            for mode, m in r["modes"].items()),
-          ("plain Ray Train", r["ray_train_recovery_s"], r["ray_train_recovery_s"], r["ray_train_steps_lost"],
-           "storage")], r, as_json)
+    r = measured("recovery", recovery.run, quick, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"recovery from a worker SIGKILL, cs3ray's modes vs plain Ray Train, snapshot every {r['interval_steps']} "
+         "steps: seconds to the next step and to full size (x Ray Train's), steps lost, samples repeated and "
+         "skipped (data trace)",
+         recovery.COLUMNS, recovery.rows(r), r, as_json)
 
 
-@app.command("peak")
+@app.command("peak", epilog=EXIT_CODES)
+@user_errors
 def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch threads."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Measure the matmul peak (fp32 and bf16) that MFU is computed against."""
-    r = peak.run(threads, quick)
+    r = measured("peak", peak.run, threads, quick)
     emit("matmul peak", ["dtype", "TFLOP/s"],
          [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12)], r, as_json)
 
 
-@app.command("disk")
+@app.command("disk", epilog=EXIT_CODES)
 @user_errors
 def disk_cmd(path: Optional[str] = typer.Option(None, "--path", help="Folder on the disk to test (default: the temp folder)."),
              mb: int = typer.Option(512, min=8, help="MB written per round, as checkpoint chunk files."),
@@ -66,34 +67,36 @@ def disk_cmd(path: Optional[str] = typer.Option(None, "--path", help="Folder on 
     """Compute a checkpoint-sized write takes from training on this host: GEMMs beside a write vs. alone."""
     from cs3ray.bench import disk
 
-    r = disk.run(path, mb, quick=quick, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("disk", disk.run, path, mb, quick=quick, log=lambda line: err_console.print(line, highlight=False))
     emit(f"disk write beside compute ({r['write_mb']} MB in {r['files']} files, {r['threads']} threads)",
          ["measure", "unit", "value"], disk.rows(r), {k: r[k] for k in disk.JSON_KEYS}, as_json)
 
 
-@app.command("cache")
+@app.command("cache", epilog=EXIT_CODES)
 @user_errors
 def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB of token shards."),
               latency_ms: float = typer.Option(20.0, min=0, help="Latency the proxy adds to every S3 request."),
               prefetch: int = typer.Option(4, min=0, help="Shards cs3's cache fetches ahead."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """3 shuffled epochs from a loopback S3 store: direct vs fsspec filecache vs cs3's tiered cache."""
-    r = cache_bench.run(size_mb, latency_ms, prefetch=prefetch, quick=quick,
-                        log=lambda m: err_console.print(f"[dim]{m}[/]"))
+    r = measured("cache", cache_bench.run, size_mb, latency_ms, prefetch=prefetch, quick=quick,
+                 log=lambda m: err_console.print(f"[dim]{m}[/]"))
     emit(f"shard reads, MB/s per epoch ({r['dataset_mb']} MB, {r['shards']} shards, {r['latency_ms']} ms/request)",
          ["mode", "epoch 1", "epoch 2", "epoch 3", "hit rate ep 2-3"], cache_bench.rows(r),
          {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)
 
 
-@app.command("serve")
+@app.command("serve", epilog=EXIT_CODES)
+@user_errors
 def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None, "--small/--no-small",
               help="Also benchmark the small model (default: yes, except with --quick)."),
-              dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16 on bf16 hardware, else fp32), bf16, fp32."),
+              dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16 on bf16 hardware, else fp32), bf16, fp16 or fp32."),
               as_json: bool = JsonOpt) -> None:
     """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64."""
     from cs3ray.bench import serve as serve_bench
 
-    r = serve_bench.run(quick=quick, small=small, dtype=dtype, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("serve", serve_bench.run, quick=quick, small=small, dtype=dtype,
+                 log=lambda line: err_console.print(line, highlight=False))
     rows = [(model, mode, c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"], cell["p99_itl_ms"],
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
@@ -102,13 +105,13 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
                                               "itl p99", "errors"], rows, r, as_json)
 
 
-@app.command("ckpt")
+@app.command("ckpt", epilog=EXIT_CODES)
 @user_errors
 def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Checkpoint overhead sync vs async, fine-tune incremental size, restore from memory vs S3."""
     from cs3ray.bench import ckpt as ckpt_bench
 
-    r = ckpt_bench.run(config, quick, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("ckpt", ckpt_bench.run, config, quick, log=lambda line: err_console.print(line, highlight=False))
     emit(f"checkpoints ({r['config']})", ["measure", "unit", "value"], ckpt_bench.rows(r),
          {k: r[k] for k in ckpt_bench.JSON_KEYS}, as_json)

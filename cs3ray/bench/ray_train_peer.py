@@ -64,7 +64,8 @@ def train_fn(config: dict[str, Any]) -> None:
                 ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
         if rank == 0:
             with open(log, "a") as f:
-                f.write(json.dumps({"event": "progress", "step": step, "wall": time.time()}) + "\n")
+                f.write(json.dumps({"event": "progress", "step": step, "workers": ctx.get_world_size(),
+                                    "wall": time.time()}) + "\n")
 
 
 def make_trainer(log: str, storage: str, steps: int, every: int, batch: int, seq: int, preset: str = "tiny"):

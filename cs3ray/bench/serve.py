@@ -31,6 +31,7 @@ import torch
 
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import build_config, to_yaml
+from cs3ray.core.precision import inference_dtype, resolve_precision
 from cs3ray.data.corpus import STDLIB, open_corpus
 from cs3ray.models import ByteTokenizer, Transformer
 from cs3ray.ops.ports import free_port
@@ -146,6 +147,7 @@ def _clean(cell: dict) -> dict:
     out = {k: (None if isinstance(cell[k], float) and math.isnan(cell[k]) else
                round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
     out["replay_tokens_per_s"] = [round(x, 2) for x in cell["replay_tokens_per_s"]]
+    out["first_error"] = cell["first_error"]  # a cell with failed requests fails the benchmark (report.measured)
     return out
 
 
@@ -217,6 +219,7 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
 
     from ray import serve
 
+    inference_dtype(dtype, "cpu")  # an unknown precision is refused before a cluster starts
     small = (not quick) if small is None else small
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, \
@@ -230,6 +233,7 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
                 result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
                                                          dtype, max_batch, log)}
             result["ingress"] = ingress
+            result["dtype"] = resolve_precision(dtype, "cpu")
         finally:
             serve.shutdown()
     return result

@@ -6,9 +6,10 @@ one node is gone; a restore that needed such a peer copy says "peer". Keepers ar
 actors: they outlive the worker group that a failure or resize restarts. The keeper `ray.put`s
 the chunks itself, so it owns them and they survive the death of the worker that produced them.
 
-Chunks are named by the content hash computed from these very bytes when the snapshot was
-taken; Ray objects are immutable, so a restore checks sizes, not hashes, of memory chunks (the
-small files, `.metadata` included, are still checked against the manifest's sha256).
+Chunks are named by the content hash (XXH3-128) of their bytes, and a restore from memory
+checks every chunk against its name exactly as a restore from storage does: a chunk that does
+not match is read from its other keeper, and failing that the restore falls back to storage
+(the small files, `.metadata` included, are checked against the manifest's sha256).
 """
 
 from __future__ import annotations
@@ -224,18 +225,31 @@ class MemoryTier:
 
 
 class Fetcher:
-    """fetch(h) -> chunk bytes of the right size from the keepers.
+    """fetch(h) -> chunk bytes that hash to their name `h`, from the keepers.
 
     Each chunk comes from a keeper holding it as its own node's copy when one is alive (this
     node's first), else from a peer copy (then the tier's `peer_used`). `prefetch` gets the
     chunks a rank will read in one batch (one reference lookup per keeper, one `ray.get`); a
-    chunk whose copy fails is tried at its other holders.
+    chunk whose copy fails or does not match its hash is tried at its other holders.
     """
 
     def __init__(self, tier: MemoryTier, step: int, sizes: dict[str, int],
                  where: dict[str, list[tuple[bool, str, Any]]]) -> None:
+        # Imported here, not at the top: keeper actors import this module and must not load torch.
+        from .chunks import matches
+
         self.tier, self.step, self.sizes, self.where = tier, step, sizes, where
+        self.matches = matches
         self.got: dict[str, Any] = {}
+
+    def _intact(self, h: str, blob: Any, node: str) -> bool:
+        if len(blob) != self.sizes.get(h):
+            return False
+        if not self.matches(blob, h):
+            log.warning("memory snapshot %d: chunk %s from keeper %s does not match its checksum (corrupt)",
+                        self.step, h[:12], node[:8])
+            return False
+        return True
 
     def prefetch(self, hashes: list[str]) -> None:
         import ray
@@ -256,7 +270,7 @@ class Fetcher:
         import ray
 
         blob = self.got.pop(h, None)
-        if blob is not None and len(blob) == self.sizes.get(h):
+        if blob is not None and self._intact(h, blob, self.where[h][0][1]):
             self.tier.peer_used |= not self.where[h][0][0]
             return blob
         for own, n, k in self.where.get(h, []):
@@ -265,7 +279,7 @@ class Fetcher:
             except Exception as exc:  # noqa: BLE001 - try the copy on the other node
                 log.warning("chunk %s from keeper %s failed: %s", h[:12], n[:8], exc)
                 continue
-            if len(blob) == self.sizes.get(h):
+            if self._intact(h, blob, n):
                 self.tier.peer_used |= not own
                 return blob
         raise CheckpointError(f"memory snapshot {self.step}: chunk {h[:12]} is not held intact by any keeper.")

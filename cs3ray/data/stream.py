@@ -39,6 +39,7 @@ from cs3ray.storage import Storage, open_url
 from .cache import TieredCache, from_config
 from .corpus import DataError
 from .shards import TOKEN_COLUMN, read_manifest
+from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
 ORDER_VERSION = 1
@@ -169,8 +170,7 @@ class TrainStream:
         self.ahead = int(cache_cfg.get("prefetch", 4))
         self._decoded: OrderedDict[int, np.ndarray] = OrderedDict()
         self._window_key: tuple[int, int] | None = None
-        self._trace = open_url(trace_url, storage_options) if trace_url else None
-        self._traced: list[np.ndarray] = []
+        self._trace = TraceWriter(open_url(trace_url, storage_options)) if trace_url else None
         if cache_cfg.get("warm") and local_rank == 0:
             self._warm()
 
@@ -207,10 +207,9 @@ class TrainStream:
         """
         rank, world = self.rank if rank is None else rank, self.world if world is None else world
         batch_size = self.batch_size if batch_size is None else batch_size
+        if self._trace is not None:
+            self._trace.drop()  # drawn for a step that did not complete (or nothing)
         if (samples, rank, world, batch_size) != (self.position, self.rank, self.world, self.batch_size):
-            if self._trace is not None:
-                self._write_trace()
-                self._traced = []
             self.base, self.consumed, self.rank, self.world, self.batch_size = samples, 0, rank, world, batch_size
 
     def __iter__(self) -> "TrainStream":
@@ -222,7 +221,7 @@ class TrainStream:
         self._prefetch(self.position)
         ids = self.order.ids(start, start + self.batch_size)
         if self._trace is not None:
-            self._traced.append(ids)
+            self._trace.add(ids)
         shard, row = self.order.locate(ids)
         batch = np.empty((self.batch_size, 0), dtype=np.int64)
         for s in np.unique(shard):
@@ -257,17 +256,15 @@ class TrainStream:
 
     def state(self) -> dict[str, Any]:
         """JSON-able position for checkpoints: the global sample offset plus what defines the order."""
-        if self._trace is not None:
-            self._write_trace()
         return {"version": ORDER_VERSION, "samples": self.position, "epoch": self.position // self.order.total,
                 "seed": self.seed, "window": self.order.window, "train_samples": self.order.total,
                 "world_size": self.world}
 
-    def _write_trace(self) -> None:
-        # One file per (rank, starting offset), rewritten at every checkpoint: what this rank trained on.
-        buf = io.BytesIO()
-        np.save(buf, np.concatenate(self._traced) if self._traced else np.zeros(0, dtype=np.int64))
-        self._trace.write_bytes(buf.getvalue(), f"rank-{self.rank:03d}-of-{self.world:03d}-from-{self.base:012d}.npy")
+    def trace_step(self, step: int, write: bool = True) -> None:
+        """The optimizer step `step` completed: trace the ids drawn for it (with `cache.trace`; see
+        cs3ray.data.trace). `write=False` discards them instead (a rank whose group already traces them)."""
+        if self._trace is not None:
+            self._trace.step(step, self.rank, self.world, write)
 
     def close(self) -> None:
         """Stop prefetching and write the cache counters."""

@@ -58,3 +58,34 @@ def test_restore_from_memory_when_storage_chunks_are_gone(ray_client, tmp_path):
     again = CheckpointManager(run, memory_tier=True)
     step, same, _ = _load(again)
     assert (step, same, again.last_restore.source) == (3, True, "storage")
+
+
+def test_a_corrupt_chunk_in_memory_is_detected_and_the_restore_falls_back_to_storage(ray_client, tmp_path, caplog):
+    import numpy as np
+
+    from cs3ray.ckpt.chunks import ChunkStore
+    from cs3ray.ckpt.keeper import keeper
+
+    ray = ray_client
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run, memory_tier=True)
+    _save(mgr, MODEL, 1)
+    mgr.close()
+    tier = MemoryTier(mgr.run.url)
+    manifest = tier.steps()[1]
+    files = ray.get(keeper(alive_nodes()[0]).files.remote(mgr.run.url, 1))
+    blobs = {h: np.frombuffer(ChunkStore(mgr.run).get(h), dtype=np.uint8) for h in manifest["chunks"]}
+    damaged = max(blobs, key=lambda h: blobs[h].nbytes)
+    blobs[damaged] = blobs[damaged].copy()
+    blobs[damaged][7] ^= 0x10  # one flipped bit, same size: what a size check cannot see
+    for node in alive_nodes():  # the keepers now hold the snapshot with that chunk damaged
+        ray.get(keeper(node).drop.remote(mgr.run.url))
+    tier.push(1, blobs, files)
+    tier.commit(1, manifest, {})
+    assert sorted(MemoryTier(mgr.run.url).steps()) == [1]
+
+    again = CheckpointManager(run, memory_tier=True)  # what a restarted worker group does
+    with caplog.at_level("WARNING", logger="cs3ray.ckpt"):
+        step, same, _ = _load(again)
+    assert (step, same, again.last_restore.source) == (1, True, "storage")
+    assert f"chunk {damaged[:12]}" in caplog.text and "checksum" in caplog.text

@@ -55,7 +55,7 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
 @pytest.mark.slow
 def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_head, tmp_path):
     run_dir = tmp_path / "replicas"
-    proc = _train(ray_head, run_dir, 20, "checkpoint.every=4", "cluster.fault_tolerance=replicas")
+    proc = _train(ray_head, run_dir, 20, "checkpoint.every=4", "cluster.fault_tolerance=replicas", "cache.trace=true")
     log = run_dir / "events.jsonl"
     _wait_for_step(log, 5)
     victim = next(e for e in _events(log) if e["event"] == "worker" and e["rank"] == 1)
@@ -80,6 +80,13 @@ def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_
     snaps = [e for e in events if e["event"] == "checkpoint"]
     assert snaps and all(e["data_samples"] == e["step"] * global_batch for e in snaps)
     assert (run_dir / "step-00000020" / "manifest.json").exists()
+    # What the replicas really trained on (their data trace) is the global order's first 20 batches, each once.
+    from cs3ray.bench.recovery import data_audit
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={run_dir}"])
+    assert data_audit(cfg, str(run_dir), 20) == {"samples_repeated": 0, "samples_skipped": 0, "samples_unexpected": 0,
+                                                 "samples_trained": 20 * global_batch,
+                                                 "samples_expected": 20 * global_batch}
 
 
 def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):
