@@ -25,7 +25,6 @@ import hashlib
 import io
 import json
 import logging
-import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,19 +33,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cs3ray.config import redact_config_text
 from cs3ray.errors import UserError
 from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, open_url
 
 from .chunks import ChunkStore, ChunkWriter
+from .dcp_metadata import plain_reader
 from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
 from .manifest import CheckpointError, write_manifest
 from .staging import Stager
 
 log = logging.getLogger(__name__)
+CONFIG = "config.yaml"
 # Loading or saving in one process (inference, export, tests) is intended, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -82,6 +84,31 @@ def _all_ok(ok: bool) -> bool:
     return float(t) == 0.0
 
 
+def load_state(state: dict[str, Any], reader: Any) -> None:
+    """dcp.load(state) in place, the reader's `.metadata` read (and checked) first; call it on every rank.
+
+    DCP catches a failed metadata read, retries it as a per-rank file and logs both tracebacks; read
+    here first (the reader keeps it), a refused or damaged `.metadata` is one CheckpointError on every
+    rank. A CheckpointError the reader raises later (a damaged chunk) comes out as itself too.
+    """
+    problem: Exception | None = None
+    try:
+        reader.read_metadata()
+    except UserError as exc:
+        problem = exc
+    except Exception as exc:  # noqa: BLE001 - e.g. a keeper gone: every rank must stop together
+        problem = CheckpointError(f"cannot read the checkpoint's metadata: {type(exc).__name__}: {exc}")
+    if not _all_ok(problem is None):
+        raise problem or CheckpointError("another rank could not read the checkpoint's metadata.")
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as exc:
+        for err, _trace in exc.failures.values():
+            if isinstance(err, UserError):
+                raise err from None
+        raise
+
+
 def dcp_writer(folder: Storage):
     """A plain DCP writer (format-1 layout); the manager itself writes chunks."""
     if is_remote(folder.url):
@@ -90,9 +117,8 @@ def dcp_writer(folder: Storage):
 
 
 def dcp_reader(folder: Storage):
-    if is_remote(folder.url):
-        return FsspecReader(folder.url, **folder.fs.storage_options)
-    return FileSystemReader(folder.url)
+    """The reader of a plain DCP folder (format-1 layout); it runs no code from the folder's pickles."""
+    return plain_reader(folder)
 
 
 @dataclass
@@ -131,8 +157,6 @@ class CheckpointManager:
         # a failed one (orphans of a crash may be there); otherwise it diffs the manifests it drops.
         self._sweep = self._storage_urls()
         self._pending: Future | None = None
-        self._staged = threading.Event()
-        self._staged.set()
         # The async writer runs at training's priority: measured on 2 busy cores, a nice-19 writer got
         # almost no CPU during the step and left its work for when training waited on it (async cost
         # as much as sync); at equal priority it overlaps, and O_DIRECT writes keep its CPU small.
@@ -170,19 +194,17 @@ class CheckpointManager:
         self.wait()  # one save at a time: GC and dedup rely on it
         buf = io.BytesIO()
         torch.save(rank_state, buf)
-        job = (step, state, json.loads(json.dumps(meta)), buf.getvalue(), dict(files))
+        # Credentials never reach the folder, its manifest's config_hash, replicas or the keepers.
+        files = {k: redact_config_text(v) if k == CONFIG else v for k, v in files.items()}
+        job = (step, state, json.loads(json.dumps(meta)), buf.getvalue(), files)
         if self._pool is None:
             self._write(*job)
         else:
-            self._staged.clear()
+            # Staging copies the tensors here, before save returns, so the optimizer may change
+            # the weights right after; only the write runs in the background.
             staged = self._stager.stage(state)  # the buffers are free: the previous write has finished
-            self._staged.set()
             self._pending = self._pool.submit(self._write, step, staged, *job[2:], self._stager.digests)
         return self.run.child(step_dir(step)).url
-
-    def wait_staged(self) -> None:
-        """Block until the last save's tensors are copied; call before the optimizer changes weights."""
-        self._staged.wait()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its error."""
@@ -229,7 +251,7 @@ class CheckpointManager:
     def _commit(self, step: int, folder: Storage, meta: dict, files: dict[str, str], writer: ChunkWriter,
                 small: dict[str, bytes]) -> None:
         """Rank 0: manifest (t1 visible), memory commit (t0), replicas (t2), then GC."""
-        config = files.get("config.yaml", "")
+        config = files.get(CONFIG, "")
         total = sum(writer.chunks.values())
         manifest = write_manifest(folder, step, _world(), {
             "meta": meta, "chunks": writer.chunks, "config_hash": hashlib.sha256(config.encode()).hexdigest(),
@@ -291,7 +313,7 @@ class CheckpointManager:
                 ok, problem = False, str(exc)
             if _all_ok(ok):
                 try:
-                    dcp.load(state, storage_reader=loc.reader(s, manifest))
+                    load_state(state, loc.reader(s, manifest))
                 except (CheckpointException, CheckpointError, StorageError) as exc:
                     ok, problem = False, str(exc).splitlines()[0][:300]
             if not ok or not _all_ok(ok):

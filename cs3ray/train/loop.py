@@ -102,15 +102,17 @@ class Worker:
         self.core.grad_accum = self.plan.grad_accum
         # The run directory only holds this run's checkpoints (the driver refuses or clears
         # others), so one present means --resume, or Ray Train restarting a failed group.
-        if self.ckpt.latest() is not None:
-            self._restore()
+        restored_rng = self._restore() if self.ckpt.latest() is not None else False
         self.sync: ReplicaSync | None = None
         if self.replicated:
             self.sync = ReplicaSync(self.rank, self._live_state, self._heal, self.progress.step)
             self.core.sync_grads, self.core.may_commit = self.sync.sync_grads, self.sync.commit
             if monitor is not None:  # every replica's process, for fault injection and operators
                 monitor.record.remote({"event": "worker", "wall": time.time(), "rank": self.rank, "pid": os.getpid()})
-        torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
+        # A restore with this rank's saved generators continues their streams (dropout and
+        # sampling as in an uninterrupted run); a fresh start or a resized group seeds them.
+        if not restored_rng:
+            torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.shards_url = shards_url
         self.val = self._val_slice(shards_url)
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
@@ -132,7 +134,8 @@ class Worker:
         mine = rows.reshape(dp, per_rank, b)[self.topo.dp_rank]
         return [val[idx] for idx in mine]
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """Load the newest checkpoint; True when this rank's own RNG streams were restored too."""
         state = self.core.state()
         step, meta, rank_state = self.ckpt.load(state)
         self.core.after_load(state)
@@ -146,6 +149,7 @@ class Worker:
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
                     from_strategy=meta.get("strategy"), restored_from=source,
                     data_samples=(meta.get("data") or {}).get("samples"))
+        return rank_state is not None
 
     def _live_state(self) -> dict[str, Any]:
         """What a survivor sends a replica that heals from it: everything a checkpoint would hold."""
@@ -230,8 +234,6 @@ class Worker:
                 if p.step >= t.steps:  # healed from a replica that has finished
                     break
             lr = t.lr * lr_factor(p.step, t.warmup_steps, t.steps, t.min_lr_ratio)
-            # An async snapshot must finish copying the weights before the optimizer changes them.
-            self.ckpt.wait_staged()
             # The second step is measured for peak memory (the first one allocates optimizer state lazily).
             track = p.step == first_step + 1
             tracked = tracked or track
@@ -245,6 +247,8 @@ class Worker:
             else:
                 loss_sum, stop = _all_reduce([loss, stop_flag], self.device)
             p.step += 1
+            # One rank per tensor-parallel group traces: its ranks read the same samples.
+            self.stream.trace_step(p.step, write=self.topo.tp_rank == 0)
             p.tokens_seen += tokens_per_step
             window_steps += 1
             # The preemption check is a barrier of all workers; replicas ride out a lost node anyway.

@@ -1,5 +1,6 @@
-"""The node-local tiered shard cache: L1 memory -> L2 local disk -> L3 any fsspec URL.
+"""The tiered shard cache: L1 this process's memory -> L2 the node's local disk -> L3 any fsspec URL.
 
+L1 belongs to one process (each worker has its own); L2 is shared by every process on a node.
 Modules: `policy` (eviction), `memory` (L1), `disk` (L2, shared by a node's processes),
 `remote` (L3 with retries: `cs3ray.storage.retry`), `tiered` (the read-through cache and
 prefetch), `stats` (counters, files and Ray metrics), `locking`, and `datasource` (Ray Data reads

@@ -3,8 +3,10 @@
 Layout: `<dir>/<namespace>/<shard file>`, a namespace per L3 URL. Whatever is in the
 directory *is* the cache state (sizes from stat, last use from mtime), so processes need no
 shared index: admission and eviction happen under one directory lock, files are written to
-a temp name and renamed (a reader never sees half a file), and every read is checked against
-the manifest's sha256 (a corrupt or truncated file is dropped and fetched again).
+a temp name and renamed (a reader never sees half a file). A file is checked against the
+manifest's sha256 the first time this process reads it and whenever its (inode, size, mtime)
+changes; a file that fails is dropped and fetched again. Bytes changed in place without moving
+mtime are not noticed after that first check.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The read-through tiered cache: L1 memory -> L2 node-local disk -> L3 the shard set's URL.
+"""The read-through tiered cache: L1 this process's memory -> L2 node-local disk -> L3 the shard set's URL.
 
 `get(name)` looks in L1, then L2, then fetches from L3 once per node (a per-shard file lock:
-the node's other workers wait and then read L2) and fills the tiers on the way back. Every
-byte that leaves the cache matches the manifest's sha256. `prefetch(names)` runs the same
-path in background threads, so a worker's next shards are local before it needs them.
+the node's other workers wait and then read L2) and fills the tiers on the way back. What is
+checked against the manifest's sha256, and when: bytes fetched from L3, every time; an L2 file
+the first time this process reads it, and again whenever its inode, size or mtime has changed
+since (an unchanged file is not re-hashed); L1 holds only bytes already checked, and is not
+re-hashed. `prefetch(names)` runs the same path in background threads, so a worker's next
+shards are local before it needs them.
 """
 
 from __future__ import annotations
