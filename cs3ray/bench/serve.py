@@ -40,12 +40,9 @@ from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
 
 MODES = ("unbatched", "serve_batch", "continuous")
-# Each concurrency replays its workload in this order, and a mode's cell pools its replays. This
-# host's speed drifts by 15-40% within minutes, and the peers' replays take ~40 s each at 16 where
-# continuous batching's takes ~8: measured before and after them, continuous batching sees the
-# same stretch of time on average as the peers, so a drift during that minute no longer moves the
-# ratios by itself (session 12: three runs in a row gave 5.5, 6.6 and 4.5 with one replay each,
-# the last with the unbatched peer's replay in a fast stretch: 367 tokens/s, the others 295-301).
+# Each concurrency replays its workload in this order, and a mode's cell pools its replays:
+# measured before and after its slower peers, continuous batching sees the same stretch of a
+# drifting host's time as they do (figures: docs/benchmarks.md).
 REPLAY_ORDER = ("continuous", "unbatched", "serve_batch", "continuous")
 CONCURRENCIES = (1, 4, 16, 64)
 CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
@@ -95,13 +92,10 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
     if quick:
         return CONCURRENCIES, {c: max(4, min(c, 16)) for c in CONCURRENCIES}, (8, 32)
     if preset == "tiny":
-        # 128 requests at 16, the cell the targets read: a 64-request run lasted ~10 s in the
-        # continuous mode, and on a shared host one slow stretch of that length moved its
-        # throughput by 25% between runs (session 10).
+        # 128 requests at 16, the cell the targets read: a shorter replay let one slow stretch of
+        # a shared host move its throughput between runs.
         return CONCURRENCIES, {1: 8, 4: 24, 16: 128, 64: 128}, (16, 192)
-    # The small model decodes ~10x slower; fewer, shorter requests keep the run under 10 minutes
-    # (session 11, a slow day: 3/8/16/32 requests of 16-128 tokens took 6 of a run's 11 minutes;
-    # 2/6/12/16 of 16-96 tokens about 3.5 of 8.5).
+    # The small model decodes ~10x slower; fewer, shorter requests keep the run under 10 minutes.
     return CONCURRENCIES, {1: 2, 4: 4, 16: 10, 64: 12}, (16, 96)
 
 

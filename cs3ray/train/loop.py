@@ -210,7 +210,7 @@ class Worker:
         self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
                     nodes=len(set(self.topo.node_ids)), tp=self.topo.tp, strategy=cfg.parallel.strategy,
                     peak_flops=self.peak_flops, threads=self.threads, precision=self.core.precision, pids=_all_gather(os.getpid()),
-                    # Each rank's training thread's niceness: Ray starts workers at nice 15 (see README, session 9).
+                    # Each rank's training thread's niceness: Ray starts workers at nice 15 (docs/operations.md).
                     nice=_all_gather(os.getpriority(os.PRIO_PROCESS, 0)),
                     micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum)
         if p.initial_val_loss is None:
