@@ -22,7 +22,7 @@ if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKE
         and not (Path.home() / ".ray" / "auth_token").exists()):
     subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True)
 
-from cluster_harness import HeadNode, start_head  # noqa: E402
+from helpers.cluster import HeadNode, start_head  # noqa: E402
 
 from cs3ray.serve.tuning import export_cluster_env  # noqa: E402
 

@@ -3,7 +3,7 @@
 A rank on node B snapshots with the memory tier on: its chunks go to B's keeper and, as the
 peer copy, to the keeper of the other node A. Node B is removed, storage loses its tensor data,
 and a new rank on A still restores every tensor, from the peer copy. The Ray drivers run in
-subprocesses (tests/ckpt_peer_scenario.py), as this process may be connected to the session's head.
+subprocesses (tests/scenarios/ckpt_peer.py), as this process may be connected to the session's head.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def two_nodes():
 def _scenario(phase: str, cluster, run, node) -> dict:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "tests/ckpt_peer_scenario.py", phase, cluster.address, str(run),
+    proc = subprocess.run([sys.executable, "tests/scenarios/ckpt_peer.py", phase, cluster.address, str(run),
                            node.node_id], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

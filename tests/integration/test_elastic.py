@@ -11,7 +11,7 @@ from conftest import ROOT
 
 @pytest.mark.slow
 def test_node_loss_shrinks_to_min_and_node_return_grows_back(tmp_path):
-    proc = subprocess.run([sys.executable, "tests/elastic_scenario.py", str(tmp_path / "elastic")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "tests/scenarios/elastic.py", str(tmp_path / "elastic")], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

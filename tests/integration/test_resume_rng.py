@@ -7,7 +7,7 @@ from cs3ray.ckpt.export import consolidated_model
 from cs3ray.config import load_config
 
 # A constant learning rate, so a 2-step run and a 4-step run take the same first two steps.
-COMMON = ["model.target=tests.dropout_model:build", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
+COMMON = ["model.target=tests.helpers.dropout_model:build", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
           "train.batch_size=4", "train.seq_len=32", "train.eval_every=100", "train.eval_batches=1",
           "train.log_every=1", "checkpoint.every=100", "cluster.workers=1", "parallel.strategy=ddp",
           "precision=fp32"]

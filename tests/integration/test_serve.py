@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import run_cs3
-from serve_checkpoints import make_checkpoint
+from helpers.serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.ops.ports import free_port
@@ -311,7 +311,7 @@ def test_cli_serve_missing_run_is_one_line(tmp_path):
 
 
 def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
-    # On the session head, whose job agent listens on a port of its own (cluster_harness); the
+    # On the session head, whose job agent listens on a port of its own (tests/helpers/cluster.py); the
     # job joins the Serve instance this module started, so it is given the same host and port.
     run = tmp_path / "run"
     make_checkpoint(run, step=4)

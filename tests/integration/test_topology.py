@@ -11,7 +11,7 @@ from cs3ray.core.mesh import Topology, TopologyError
 
 
 def test_ranks_are_node_ordered_and_tp_groups_stay_on_one_node():
-    proc = subprocess.run([sys.executable, "tests/multinode_topology.py"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "tests/scenarios/multinode_topology.py"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ from cs3ray.data.cache.disk import DiskTier
 from cs3ray.data.cache.memory import MemoryTier
 from cs3ray.data.cache.policy import Entry
 from cs3ray.storage import open_url
-from cache_helpers import make_shard_set
+from helpers.shard_sets import make_shard_set
 
 
 def test_policies_choose_victims():

@@ -11,7 +11,7 @@ from cs3ray.data.corpus import DataError
 from cs3ray.data.shards import decode_tokens
 from cs3ray.data.stream import GlobalOrder, TrainStream, decode_shard
 from cs3ray.storage import open_url
-from cache_helpers import make_shard_set
+from helpers.shard_sets import make_shard_set
 
 
 def entries(counts):

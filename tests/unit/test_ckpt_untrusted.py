@@ -18,8 +18,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from conftest import run_cs3
-from serve_checkpoints import make_checkpoint
-from strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
+from helpers.serve_checkpoints import make_checkpoint
+from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, load_for_inference, verify
 from cs3ray.ckpt.chunks import METADATA, ChunkStore, digest

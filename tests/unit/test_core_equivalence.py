@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from core_harness import global_batches, run_core, run_distributed
+from helpers.core import global_batches, run_core, run_distributed
 
 STEPS = 5
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from core_harness import global_batches, run_core
+from helpers.core import global_batches, run_core
 from cs3ray.bench.peak import measure_peak
 from cs3ray.bench.train import steps_for_budget
 from cs3ray.core.precision import native_bf16, resolve_precision

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_cs3
-from serve_checkpoints import make_checkpoint
+from helpers.serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.serve.deploy import build_app, check_exposure, make_spec

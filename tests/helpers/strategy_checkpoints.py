@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from core_harness import MODEL, global_batches
+from helpers.core import MODEL, global_batches
 
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml

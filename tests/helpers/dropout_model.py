@@ -1,6 +1,6 @@
 """A user model factory for tests: the tiny transformer with dropout on its logits.
 
-`model.target=tests.dropout_model:build` works on the workers because Ray puts the driver's
+`model.target=tests.helpers.dropout_model:build` works on the workers because Ray puts the driver's
 working directory (the repository root) on their path, as it does for a user's own module.
 
 Dropout draws from the training RNG on every step, so two runs only agree step for step when

@@ -1,6 +1,6 @@
 """Run by test_ckpt_multinode.py in a subprocess (the test process may be connected to another Ray).
 
-    python tests/ckpt_peer_scenario.py save|restore ADDRESS RUN_DIR NODE_ID
+    python tests/scenarios/ckpt_peer.py save|restore ADDRESS RUN_DIR NODE_ID
 
 `save`: one rank, pinned to NODE_ID, snapshots a model with the memory tier on; prints where
 its keepers are. `restore`: a rank pinned to NODE_ID loads the newest snapshot into a fresh

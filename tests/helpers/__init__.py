@@ -1,0 +1,1 @@
+"""Shared test helpers: harnesses and fixtures-as-functions that several test files use."""
