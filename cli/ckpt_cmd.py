@@ -11,10 +11,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cs3ray.ckpt import CheckpointError, resolve_run
+from cs3ray.ckpt import CheckpointError
 from cs3ray.ckpt.locations import list_steps, open_folder, step_dir
 from cs3ray.ckpt.manifest import read_manifest
-from cs3ray.config import runtime_storage_options
+from cs3ray.config import resolve_run, runtime_storage_options
 from cs3ray.storage import StorageError, open_url
 
 from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
@@ -104,7 +104,8 @@ def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), 
                                                                      "(default: as stored, fp32)."),
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Write one consolidated model file that loads without cs3ray (safetensors or torch.load)."""
-    from cs3ray.ckpt.export import FORMATS, export as export_ckpt
+    from cs3ray.ckpt.export import FORMATS
+    from cs3ray.ckpt.export import export as export_ckpt
     from cs3ray.core.precision import DTYPES
 
     if fmt not in FORMATS:

@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from . import bench_cmd, cache_cmd, config_cmd, data_cmd
+from . import bench_cmd, cache_cmd, ckpt_cmd, config_cmd, data_cmd
 from .generate_cmd import generate
 from .serve_cmd import serve
 from .train_cmd import train_cmd
@@ -20,7 +20,7 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(cache_cmd.app, name="cache")
-app.add_typer(__import__("cs3ray_cli.ckpt_cmd", fromlist=["app"]).app, name="ckpt")
+app.add_typer(ckpt_cmd.app, name="ckpt")
 
 
 def main() -> None:

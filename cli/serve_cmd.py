@@ -6,15 +6,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import typer
 
 from cs3ray.config import runtime_storage_options
 from cs3ray.errors import UserError
-from cs3ray.ops.cluster import ray_cluster
-from cs3ray.serve.deploy import deploy, make_spec, serve_foreground, stop
+from cs3ray.serve.deploy import make_spec
+from cs3ray.serve.launch import delete_app, run_app
 
 from .common import AddressOpt, StorageOptionsOpt, StorageOverridesArg, console, user_errors
 
@@ -49,25 +48,17 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
     spec = make_spec(run, name=name, token=token, follow=follow, host=host, insecure=insecure, trust_code=trust_code,
                      overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch},
                      storage_options=runtime_storage_options(storage or [], storage_options))
-    if detach and not address:
-        raise UserError("--detach needs --address: an embedded cluster ends with this command.")
-    s = spec.serve
-    # An embedded cluster needs logical CPUs for every replica (autoscaling: the maximum).
-    wanted = (s.max_replicas if s.max_replicas is not None and s.min_replicas is not None else s.replicas)
-    num_cpus = max(2, math.ceil(wanted * s.num_cpus) + 1)
 
     def ready(url: str) -> None:
         auth = "bearer token required" if spec.token else "no auth"
         console.print(f"serving [bold]{spec.name}[/] at {url}/v1 ({auth}); Ctrl-C to stop", highlight=False)
 
-    with ray_cluster(address, num_cpus=num_cpus, quiet=True, serving=True) as gcs:
-        if detach:
-            url = deploy(spec, host, port)
-            console.print(f"deployed [bold]{spec.name}[/] at {url}/v1; stop it with "
-                          f"`cs3 serve stop --name {spec.name} --address {address or gcs}`", highlight=False, soft_wrap=True)
-            return
-        serve_foreground(spec, host, port, ready)
-        console.print("stopped", highlight=False)
+    served = run_app(spec, host, port, address=address, detach=detach, on_ready=ready)
+    if detach:
+        console.print(f"deployed [bold]{spec.name}[/] at {served.url}/v1; stop it with "
+                      f"`cs3 serve stop --name {spec.name} --address {served.address}`", highlight=False, soft_wrap=True)
+        return
+    console.print("stopped", highlight=False)
 
 
 def stop_app(name: Optional[str], address: Optional[str]) -> None:
@@ -76,6 +67,5 @@ def stop_app(name: Optional[str], address: Optional[str]) -> None:
         raise UserError("cs3 serve stop needs --name APP: the application to delete.")
     if not address:
         raise UserError("cs3 serve stop needs --address (or RAY_ADDRESS): the cluster the app runs on.")
-    with ray_cluster(address, quiet=True):
-        stop(name)
+    delete_app(name, address)
     console.print(f"stopped [bold]{name}[/]", highlight=False)

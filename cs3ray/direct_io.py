@@ -1,11 +1,10 @@
 """Large local files written with O_DIRECT: from our buffer to the disk, not through the page cache.
 
 A buffered write copies every byte into newly allocated page-cache pages, which the kernel then
-writes back and frees again when the file is deleted. Measured on the 2-core test machine, 512 MB
-took 1.1 s of CPU that way against 0.03 s with O_DIRECT, at the same disk speed. Checkpoints
-write hundreds of MB per save, and on a host whose cores training keeps busy that CPU time is
-what an async save costs the training steps (DeepSpeed's FastPersist writes checkpoints with
-O_DIRECT for the same reason).
+writes back and frees again when the file is deleted: far more CPU than O_DIRECT at the same disk
+speed (figures: docs/benchmarks.md). Checkpoints write hundreds of MB per save, and on a host
+whose cores training keeps busy that CPU time is what an async save costs the training steps
+(DeepSpeed's FastPersist writes checkpoints with O_DIRECT for the same reason).
 
 O_DIRECT needs the buffer address, file offset and length aligned to the device's block size:
 an aligned buffer is written in place, anything else goes through a small aligned bounce

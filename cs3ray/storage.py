@@ -231,9 +231,8 @@ class Storage:
         """Make every file written below this root with `durable=False` durable (renames included).
 
         Locally one syncfs of the root's filesystem: a checkpoint's hundreds of chunk files then
-        cost one journal commit instead of one each (measured on the 2-core test machine: an async
-        save took ~0.2 s less of the training step than with an fsync per file). Object stores
-        need nothing: a PUT is durable once it returns.
+        cost one journal commit instead of one each, less of the training step (figures:
+        docs/benchmarks.md). Object stores need nothing: a PUT is durable once it returns.
         """
         if is_remote(self.url):
             return

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cs3ray.config import runtime_storage_options  # noqa: E402
 from cs3ray.errors import UserError  # noqa: E402
-from cs3ray.ops.cluster import ray_cluster  # noqa: E402
-from cs3ray.serve.deploy import make_spec, serve_foreground  # noqa: E402
+from cs3ray.serve.deploy import make_spec  # noqa: E402
+from cs3ray.serve.launch import run_app  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                          insecure=args.insecure, trust_code=args.trust_code,
                          overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
                          storage_options=runtime_storage_options(args.storage, args.storage_options))
-        with ray_cluster(os.environ.get("RAY_ADDRESS", "auto"), quiet=True):
-            serve_foreground(spec, args.host, args.port, lambda url: print(f"serving {spec.name} at {url}/v1",
-                                                                         flush=True))
+        run_app(spec, args.host, args.port, address=os.environ.get("RAY_ADDRESS", "auto"),
+                on_ready=lambda url: print(f"serving {spec.name} at {url}/v1", flush=True))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

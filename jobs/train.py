@@ -24,15 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.lr=3e-4")
     parser.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="start the run over")
-    args = parser.parse_args(argv)
+    parser.add_argument("--name", default=None, help="run name (overrides run.name)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show Ray's and the workers' logs")
+    args = parser.parse_intermixed_args(argv)  # overrides may come after options, as with `cs3 train`
+    overrides = args.overrides + ([f"run.name={args.name}"] if args.name else [])
 
     def log(event: dict) -> None:
         if event["event"] != "prepare":
             print(json.dumps(event), flush=True)
 
     try:
-        summary = train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite,
-                        address=os.environ.get("RAY_ADDRESS", "auto"), on_event=log, quiet=True)
+        summary = train(load_config(args.config, overrides), resume=args.resume, overwrite=args.overwrite,
+                        address=os.environ.get("RAY_ADDRESS", "auto"), on_event=log, quiet=not args.verbose)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

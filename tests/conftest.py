@@ -12,6 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray Train's controller looks at its workers every 2 s by default, so each of the suite's many
+# short runs waited up to that to start and again to end; Ray Train passes this on to its actors.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # `ray start --head` in Ray 2.60 enables token auth (the token lands in ~/.ray/auth_token when
 # the first head starts). Ray reads this when it is imported, so it is set before any test
 # module imports ray, also on a fresh machine where the token file does not exist yet.
@@ -24,7 +27,7 @@ if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKE
 
 from helpers.cluster import HeadNode, start_head  # noqa: E402
 
-from cs3ray.serve.tuning import export_cluster_env  # noqa: E402
+from cs3ray.ops.cluster_env import export_cluster_env  # noqa: E402
 
 # The test head runs Serve's proxy as `cs3 serve` runs it on an embedded cluster (gRPC to replicas).
 export_cluster_env()

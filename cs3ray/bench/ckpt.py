@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from cs3ray.ckpt import CheckpointManager
-from cs3ray.ckpt.finetune import apply_freeze, load_init_weights
+from cs3ray.ckpt.finetune import load_init_weights
 from cs3ray.config import load_config, to_yaml
+from cs3ray.core.freeze import apply_freeze
 from cs3ray.models import ByteTokenizer
 
 JSON_KEYS = ["interval_steps", "sync_overhead_pct", "async_overhead_pct", "incremental_size_ratio",
@@ -194,7 +195,7 @@ def _restore(tr: _Trainer, cfg, say) -> dict[str, float]:
             best = float("inf")
             for _ in range(2):
                 loader = CheckpointManager(url, options, memory_tier=memory)
-                best = min(best, _timed(lambda: loader.load(state)))
+                best = min(best, _timed(lambda loader=loader: loader.load(state)))
                 wanted = "memory" if memory else "storage"
                 if loader.last_restore.source != wanted:  # a timing of another tier's restore
                     raise RuntimeError(f"the restore meant to come from {wanted} came from "

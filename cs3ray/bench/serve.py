@@ -11,10 +11,9 @@ continuous batching before and after its peers (see REPLAY_ORDER).
 The benchmark needs no trained run: each model gets a few optimizer steps on the Python
 standard library's source first (seconds), just enough that it writes text. Speed does not
 depend on the weights (ignore_eos fixes every output's length), but streaming does: a
-random-weight byte model draws a byte that ends no UTF-8 character, or a special token, for
-~19% of its tokens (measured), and such a token streams nothing, so its gap is charged to the
-next one; a served model writes text. Measured with every token streaming something, the p99
-gap at concurrency 16 was 31-40 ms instead of 39-72 ms.
+random-weight byte model often draws a byte that ends no UTF-8 character, or a special token,
+and such a token streams nothing, so its gap is charged to the next one and inflates the p99
+gap; a served model writes text. (figures: docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ from cs3ray.config import build_config, to_yaml
 from cs3ray.core.precision import inference_dtype, resolve_precision
 from cs3ray.data.corpus import STDLIB, open_corpus
 from cs3ray.models import ByteTokenizer, Transformer
+from cs3ray.ops.cluster_env import export_cluster_env
 from cs3ray.ops.ports import free_port
-from cs3ray.serve.tuning import export_cluster_env, replica_actor_options
+from cs3ray.serve.tuning import replica_actor_options
 
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
 
@@ -48,8 +48,8 @@ CONCURRENCIES = (1, 4, 16, 64)
 CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
 
 
-# Optimizer steps before serving (batch 8 x 64 bytes): after this many, fewer than 1% of the
-# sampled tokens stream no text (19% at random weights); small's steps take ~2 s each here.
+# Optimizer steps before serving (batch 8 x 64 bytes): after this many, almost every sampled token
+# streams text; small's steps are slow, so it gets fewer. (figures: docs/benchmarks.md)
 TEXT_STEPS = {"tiny": 20, "small": 8}
 
 
@@ -95,7 +95,7 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
         # 128 requests at 16, the cell the targets read: a shorter replay let one slow stretch of
         # a shared host move its throughput between runs.
         return CONCURRENCIES, {1: 8, 4: 24, 16: 128, 64: 128}, (16, 192)
-    # The small model decodes ~10x slower; fewer, shorter requests keep the run under 10 minutes.
+    # The small model decodes far slower; fewer, shorter requests bound the run's length (figures: docs/benchmarks.md).
     return CONCURRENCIES, {1: 2, 4: 4, 16: 10, 64: 12}, (16, 96)
 
 

@@ -140,9 +140,9 @@ def replay(url: str, model: str, items: list[Item], timeout: float = 300.0) -> R
     """Replay `items` against url's /v1/completions.
 
     The heap loaded so far is frozen out of the garbage collector first: in a driver that has
-    imported torch, Ray and Serve, a full collection walked it for ~250 ms mid-run (measured),
-    a stall of the load generator that the percentiles would have charged to the server. (No
-    gc.collect() before it: that would walk the same heap, 250 ms, at every call.)
+    imported torch, Ray and Serve, a full collection stalls the load generator mid-run, which the
+    percentiles would charge to the server (figures: docs/benchmarks.md). No gc.collect() before
+    it: that would walk the same heap at every call.
     """
     gc.freeze()
     try:

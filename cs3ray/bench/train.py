@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 from cs3ray.config import load_config
 from cs3ray.core.mfu import mfu
+from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
 from cs3ray.models import train_flops_per_token
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.train.driver import prepare_data, train
 
-from .peak import measure_peak
 from .plain_loop import plain_loop, ray_train_peer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
@@ -95,8 +95,9 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     log(f"peak {precision} matmul with {threads} threads: {peak / 1e12:.3f} TFLOP/s")
 
     if not quick:
-        # A step of the same config costs 1.5 s on a CPU with AMX and 30 s on an AVX2 one: fit
-        # the number of steps to what one step costs here, so the default run stays in budget.
+        # A step of the same config costs many times more on some CPUs than on others: fit the
+        # number of steps to what one step costs here, so the default run stays in budget
+        # (figures: docs/benchmarks.md).
         step_s = tokens_per_step / plain_loop(base, data, threads, 2, 1)  # a steady step (the 3rd)
         warmup, steps = steps_for_budget(step_s, BUDGET_S, MODES)
         log(f"one step takes {step_s:.1f} s")

@@ -8,8 +8,8 @@ chunk (builtins only), and the reader checks every chunk's hash before it is use
 
 Why XXH3-128 and not sha256 (which the manifest keeps for the step folder's own files): the
 name is both the dedup key and the checksum that catches damaged bytes, and a save hashes
-every byte of the state each time. Measured on the 2-core test machine, 681 MB took 0.60 s
-with sha256 and 0.066 s with XXH3-128; on a CPU host that time is taken from training. A
+every byte of the state each time, and XXH3-128 is many times faster (figures:
+docs/benchmarks.md); on a CPU host that time is taken from training. A
 128-bit hash makes an accidental collision among a run's chunks vanishingly unlikely; the
 chunk store guards against damage, not against someone who can write to it (who could
 rewrite the manifests as well). Chunks named by sha256 (64 hex digits, format 1) still load.
@@ -66,7 +66,7 @@ def blob_key(blob: np.ndarray) -> tuple[int, int]:
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src. Contiguous CPU tensors of one dtype take a one-thread memcpy: torch's threaded
-    copy stalls (4x slower, measured) when another process holds one of the two cores."""
+    copy stalls when another process holds one of the cores (figures: docs/benchmarks.md)."""
     if (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype and src.numel()
             and src.shape == dst.shape and src.is_contiguous() and dst.is_contiguous()
             and not hasattr(src, "device_mesh") and not hasattr(dst, "device_mesh")):

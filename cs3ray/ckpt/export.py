@@ -10,27 +10,29 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .chunks import METADATA
 from .dcp_metadata import load_metadata
-from .inference import resolve_checkpoint
-from .locations import open_folder
-from .manager import load_state
 from .manifest import CheckpointError
+from .reading import open_checkpoint
+from .restore import Checkpoint
 
 FORMATS = ("safetensors", "torch")
 
 
 def consolidated_model(run_or_ckpt: str, options: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full (unsharded) model tensors of a checkpoint, whatever strategy wrote it, and its manifest."""
-    loc, step, manifest = open_folder(resolve_checkpoint(run_or_ckpt, options))
-    # Verified against the manifest, then unpickled admitting DCP's metadata classes only.
-    metadata = load_metadata(loc.read(step, METADATA, manifest), f"{loc.folder(step).url}/{METADATA}")
-    model: dict[str, torch.Tensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
-            model[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    if not model:
-        raise CheckpointError(f"checkpoint '{loc.folder(step).url}' holds no model tensors.")
-    load_state({"model": model}, loc.reader(step, manifest))
-    return model, manifest
+    """Full (unsharded) model tensors of a run's newest good checkpoint (or of one checkpoint folder),
+    whatever strategy wrote it, and its manifest; verified, with open_checkpoint's fallback."""
+    def prepare(ckpt: Checkpoint) -> dict:
+        # Verified against the manifest, then unpickled admitting DCP's metadata classes only.
+        metadata = load_metadata(ckpt.read(METADATA), f"{ckpt.url}/{METADATA}")
+        model: dict[str, torch.Tensor] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
+                model[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if not model:
+            raise CheckpointError(f"checkpoint '{ckpt.url}' holds no model tensors.")
+        return {"model": model}
+
+    ckpt = open_checkpoint(run_or_ckpt, options, prepare=prepare)
+    return ckpt.state["model"], ckpt.manifest
 
 
 def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict | None = None,

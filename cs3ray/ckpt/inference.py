@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import yaml
 
-from cs3ray.config import JobConfig, build_config
+from cs3ray.config import JobConfig, build_config, resolve_run
 from cs3ray.models import ByteTokenizer
 from cs3ray.models.factory import model_from_config
 from cs3ray.storage import Storage, StorageError, open_url
 
-from .locations import list_steps, open_folder, step_dir
-from .manager import load_state
+from .locations import list_steps, step_dir
 from .manifest import MANIFEST, CheckpointError
+from .reading import open_checkpoint
+from .restore import Checkpoint
 
 
 @dataclass
@@ -27,15 +28,9 @@ class LoadedModel:
     url: str
 
 
-def resolve_run(run: str) -> str:
-    """A RUN argument -> URL: a name means runs/<name>; paths and URLs are taken as they are."""
-    if "://" in run or os.sep in run or os.path.exists(run):
-        return run
-    return os.path.join("runs", run)
-
-
 def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
-    """The checkpoint folder a RUN argument means: itself if it has a manifest, else its newest."""
+    """The checkpoint folder a RUN argument names: itself if it has a manifest, else the run's newest
+    complete one (not verified: open_checkpoint verifies, and falls back past a damaged one)."""
     storage = open_url(resolve_run(run), options)
     try:
         if storage.exists(MANIFEST):
@@ -53,22 +48,24 @@ def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
 
 def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype = torch.float32,
                        trust_code: bool = False) -> LoadedModel:
-    """Verify a checkpoint and load its weights into a fresh model, whatever strategy wrote it.
+    """Load the weights of a run's newest good checkpoint (or of one checkpoint folder) into a fresh
+    model, whatever strategy wrote it; verified, with open_checkpoint's fallback.
 
     A model.target in the checkpoint's config is imported only with trust_code, the caller's word
     (--trust-code, or model.trust_code of the caller's own config); one stored in the checkpoint's
     config is ignored.
     """
-    folder = resolve_checkpoint(run, options)
-    loc, step, manifest = open_folder(folder)
-    try:
-        cfg = build_config(yaml.safe_load(loc.read(step, "config.yaml", manifest)), source=f"{folder.url}/config.yaml")
-        tokenizer = ByteTokenizer.from_json(loc.read(step, "tokenizer.json", manifest).decode())
-    except StorageError as exc:
-        raise CheckpointError(f"checkpoint '{folder.url}' is incomplete: {exc}") from None
-    model = model_from_config(cfg, trust_code=trust_code, source=f"checkpoint '{folder.url}'")
-    state = {"model": model.state_dict()}
-    load_state(state, loc.reader(step, manifest))
-    model.load_state_dict(state["model"])
+    built: dict[str, Any] = {}
+
+    def prepare(ckpt: Checkpoint) -> dict:
+        cfg = build_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
+        tokenizer = ByteTokenizer.from_json(ckpt.read("tokenizer.json").decode())
+        model = model_from_config(cfg, trust_code=trust_code, source=f"checkpoint '{ckpt.url}'")
+        built.update(model=model, tokenizer=tokenizer, config=cfg)
+        return {"model": model.state_dict()}
+
+    ckpt = open_checkpoint(run, options, prepare=prepare)
+    model = built["model"]
+    model.load_state_dict(ckpt.state["model"])
     model.to(dtype).eval()
-    return LoadedModel(model, tokenizer, cfg, int(manifest["step"]), folder.url)
+    return LoadedModel(model, built["tokenizer"], built["config"], ckpt.step, ckpt.url)

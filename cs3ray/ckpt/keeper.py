@@ -3,8 +3,8 @@
 Each rank hands its chunks to the keeper of its own node and to the keeper of one other node
 (the next alive node in id order), so a restarted group finds every shard in memory even when
 one node is gone; a restore that needed such a peer copy says "peer". Keepers are detached
-actors: they outlive the worker group that a failure or resize restarts. The keeper `ray.put`s
-the chunks itself, so it owns them and they survive the death of the worker that produced them.
+actors: they outlive the worker group that a failure or resize restarts. The actor itself is
+cs3ray.keeper, outside this package, so that its process imports neither torch nor DCP.
 
 Chunks are named by the content hash (XXH3-128) of their bytes, and a restore from memory
 checks every chunk against its name exactly as a restore from storage does: a chunk that does
@@ -17,88 +17,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
+from cs3ray.keeper import NAMESPACE, Keeper
 
+from .chunks import matches
 from .manifest import CheckpointError
 
 log = logging.getLogger(__name__)
-NAMESPACE = "cs3ray_ckpt"
-MAX_RUNS = 4  # snapshots of this many runs per keeper; the least recently saved run is dropped
-
-
-class Keeper:
-    """Holds chunks (by content hash) and the small files of each run's newest committed snapshot."""
-
-    def __init__(self) -> None:
-        import ray
-
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.blobs: dict[str, Any] = {}                  # chunk name -> ObjectRef owned by this actor
-        self.snaps: dict[str, dict[int, dict]] = {}      # run -> step -> {chunks, own, files, manifest}
-
-    def node(self) -> str:
-        return self.node_id
-
-    def missing(self, hashes: list[str]) -> list[str]:
-        return [h for h in hashes if h not in self.blobs]
-
-    def _snap(self, run: str, step: int) -> dict:
-        return self.snaps.setdefault(run, {}).setdefault(
-            step, {"chunks": set(), "own": set(), "files": {}, "manifest": None})
-
-    def put(self, run: str, step: int, blobs: dict[str, Any], refs: list[str], files: dict[str, bytes],
-            own: bool = True) -> None:
-        """Take chunks (only those not held yet are sent) and files of one rank for (run, step).
-
-        `own`: the rank runs on this keeper's node; otherwise these are the peer copies of a rank
-        on another node.
-        """
-        import ray
-
-        for h, blob in blobs.items():
-            if h not in self.blobs:
-                self.blobs[h] = ray.put(np.array(blob, copy=True))
-        snap = self._snap(run, step)
-        snap["chunks"].update(refs)
-        if own:
-            snap["own"].update(refs)
-        snap["files"].update(files)
-
-    def commit(self, run: str, step: int, manifest: dict, files: dict[str, bytes]) -> None:
-        """Mark (run, step) complete; drop the run's other snapshots and chunks nothing references."""
-        snaps = self.snaps.setdefault(run, {})
-        snap = self._snap(run, step)
-        snap["manifest"] = manifest
-        snap["files"].update(files)
-        for s in [s for s in snaps if s != step and s < step]:
-            del snaps[s]
-        self.snaps[run] = self.snaps.pop(run)  # most recently saved run last
-        while len(self.snaps) > MAX_RUNS:
-            del self.snaps[next(iter(self.snaps))]
-        self._gc()
-
-    def index(self, run: str) -> dict[int, dict]:
-        """Committed snapshots of `run`: step -> (manifest, chunks held here, of those the own ones, files)."""
-        return {s: {"manifest": sn["manifest"], "chunks": sorted(h for h in sn["chunks"] if h in self.blobs),
-                    "own": sorted(h for h in sn["own"] if h in self.blobs), "files": sorted(sn["files"])}
-                for s, sn in self.snaps.get(run, {}).items() if sn["manifest"] is not None}
-
-    def refs(self, hashes: list[str]) -> dict[str, list]:
-        # Wrapped in a list so the caller receives the reference, not the value.
-        return {h: [self.blobs[h]] for h in hashes if h in self.blobs}
-
-    def files(self, run: str, step: int) -> dict[str, bytes]:
-        return dict(self.snaps.get(run, {}).get(step, {}).get("files", {}))
-
-    def drop(self, run: str) -> None:
-        """Forget every snapshot of `run`."""
-        self.snaps.pop(run, None)
-        self._gc()
-
-    def _gc(self) -> None:
-        live = {h for steps in self.snaps.values() for sn in steps.values() for h in sn["chunks"]}
-        for h in [h for h in self.blobs if h not in live]:
-            del self.blobs[h]
 
 
 def alive_nodes() -> list[str]:
@@ -235,17 +159,13 @@ class Fetcher:
 
     def __init__(self, tier: MemoryTier, step: int, sizes: dict[str, int],
                  where: dict[str, list[tuple[bool, str, Any]]]) -> None:
-        # Imported here, not at the top: keeper actors import this module and must not load torch.
-        from .chunks import matches
-
         self.tier, self.step, self.sizes, self.where = tier, step, sizes, where
-        self.matches = matches
         self.got: dict[str, Any] = {}
 
     def _intact(self, h: str, blob: Any, node: str) -> bool:
         if len(blob) != self.sizes.get(h):
             return False
-        if not self.matches(blob, h):
+        if not matches(blob, h):
             log.warning("memory snapshot %d: chunk %s from keeper %s does not match its checksum (corrupt)",
                         self.step, h[:12], node[:8])
             return False

@@ -1,7 +1,8 @@
 """Where a checkpoint can be restored from: the primary run dir, a replica, or the memory tier.
 
 Each location answers the same questions (which steps, check one, read a verified file, a
-DCP reader), so the manager's fallback memory -> primary -> replica -> previous is one loop.
+DCP reader), so the fallback memory -> primary -> replica -> previous is one loop (see restore),
+the trainer's and every reader's.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class StorageLocation:
     def folder(self, step: int) -> Storage:
         return self.run.child(step_dir(step))
 
+    def checkpoint_url(self, step: int) -> str:
+        return self.folder(step).url
+
     def check(self, step: int, deep: bool = False) -> dict:
         """Verify the folder's files (sha256) and that every chunk is there with its size.
 
@@ -125,6 +129,9 @@ class MemoryLocation:
     def steps(self) -> list[int]:
         return sorted(self.snapshots())
 
+    def checkpoint_url(self, step: int) -> str:
+        return f"{self.url}/{step_dir(step)}"
+
     def check(self, step: int, deep: bool = False) -> dict:
         manifest = self.snapshots().get(step)
         if manifest is None:
@@ -138,6 +145,22 @@ class MemoryLocation:
         fetch = self.tier.fetcher(step, manifest["chunks"])
         return ChunkReader(lambda: self.read(step, METADATA, manifest), fetch, fetch.prefetch,
                            where=f"{self.url}/{step_dir(step)}/{METADATA}")
+
+
+def restore_order(locs: list, step: int | None = None) -> list[tuple[int, int]]:
+    """(step, index into `locs`) to try: newest step first (only `step` when given), then `locs`' order.
+
+    `locs` is memory (optional), the primary, then replicas. A memory snapshot of a step that a
+    non-empty primary lacks belongs to an older run that used this URL (memory commits after the
+    primary's manifest), so it is not a candidate.
+    """
+    have = [set(loc.steps()) for loc in locs]
+    primary = next(i for i, loc in enumerate(locs) if not isinstance(loc, MemoryLocation))
+    if have[primary]:
+        have = [h & have[primary] if isinstance(loc, MemoryLocation) else h
+                for h, loc in zip(have, locs, strict=True)]
+    steps = [step] if step is not None else sorted(set().union(*have), reverse=True)
+    return [(s, i) for s in steps for i in range(len(locs)) if s in have[i]]
 
 
 def replicate(src: StorageLocation, dst: StorageLocation, step: int, manifest: dict) -> None:

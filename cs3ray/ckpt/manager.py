@@ -25,7 +25,6 @@ import hashlib
 import io
 import json
 import logging
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -33,92 +32,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cs3ray.config import redact_config_text
 from cs3ray.errors import UserError
-from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, is_remote, open_url
+from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, open_url
 
 from .chunks import ChunkStore, ChunkWriter
-from .dcp_metadata import plain_reader
 from .locations import MemoryLocation, StorageLocation, collect, list_steps, replicate, step_dir
 from .manifest import CheckpointError, write_manifest
+from .restore import Checkpoint, barrier, rank, restore, single_process_quiet, world
 from .staging import Stager
 
 log = logging.getLogger(__name__)
 CONFIG = "config.yaml"
-# Loading or saving in one process (inference, export, tests) is intended, not a mistake.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier(group: Any = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's value of `obj` on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_ok(ok: bool) -> bool:
-    """True only when `ok` is true on every rank (so every rank takes the same fallback)."""
-    if not dist.is_initialized():
-        return ok
-    t = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(t)
-    return float(t) == 0.0
-
-
-def load_state(state: dict[str, Any], reader: Any) -> None:
-    """dcp.load(state) in place, the reader's `.metadata` read (and checked) first; call it on every rank.
-
-    DCP catches a failed metadata read, retries it as a per-rank file and logs both tracebacks; read
-    here first (the reader keeps it), a refused or damaged `.metadata` is one CheckpointError on every
-    rank. A CheckpointError the reader raises later (a damaged chunk) comes out as itself too.
-    """
-    problem: Exception | None = None
-    try:
-        reader.read_metadata()
-    except UserError as exc:
-        problem = exc
-    except Exception as exc:  # noqa: BLE001 - e.g. a keeper gone: every rank must stop together
-        problem = CheckpointError(f"cannot read the checkpoint's metadata: {type(exc).__name__}: {exc}")
-    if not _all_ok(problem is None):
-        raise problem or CheckpointError("another rank could not read the checkpoint's metadata.")
-    try:
-        dcp.load(state, storage_reader=reader)
-    except CheckpointException as exc:
-        for err, _trace in exc.failures.values():
-            if isinstance(err, UserError):
-                raise err from None
-        raise
-
-
-def dcp_writer(folder: Storage):
-    """A plain DCP writer (format-1 layout); the manager itself writes chunks."""
-    if is_remote(folder.url):
-        return FsspecWriter(folder.url, **folder.fs.storage_options)
-    return FileSystemWriter(folder.url)
-
-
-def dcp_reader(folder: Storage):
-    """The reader of a plain DCP folder (format-1 layout); it runs no code from the folder's pickles."""
-    return plain_reader(folder)
 
 
 @dataclass
@@ -157,9 +84,9 @@ class CheckpointManager:
         # a failed one (orphans of a crash may be there); otherwise it diffs the manifests it drops.
         self._sweep = self._storage_urls()
         self._pending: Future | None = None
-        # The async writer runs at training's priority: measured on 2 busy cores, a nice-19 writer got
-        # almost no CPU during the step and left its work for when training waited on it (async cost
-        # as much as sync); at equal priority it overlaps, and O_DIRECT writes keep its CPU small.
+        # The async writer runs at training's priority: a low-priority writer gets no CPU during the
+        # step and leaves its work for when training waits on it; at equal priority it overlaps, and
+        # O_DIRECT writes keep its CPU small (figures: docs/benchmarks.md).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_mode == "async" else None
         self._stager = Stager()
         # Background saves talk over their own gloo group, never the training group's stream.
@@ -214,23 +141,24 @@ class CheckpointManager:
 
     def _write(self, step: int, state: dict, meta: dict, rank_file: bytes, files: dict[str, str],
                digests: dict[tuple[int, int], str] | None = None) -> None:
-        group, rank = self._group, _rank()
+        group, me = self._group, rank()
         folder = self.run.child(step_dir(step))
-        if rank == 0 and self.run.exists(step_dir(step)):
+        if me == 0 and self.run.exists(step_dir(step)):
             folder.rm()  # an earlier attempt at this step that never got its manifest
-        _barrier(group)
+        barrier(group)
         writer = ChunkWriter(folder, ChunkStore(self.run), self._known if self.incremental else frozenset(), digests)
         try:
             try:
-                dcp.save(state, storage_writer=writer, process_group=group)
+                with single_process_quiet():
+                    dcp.save(state, storage_writer=writer, process_group=group)
             except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
                 cause = next(iter(exc.failures.values()), exc)
                 why = str(cause) if isinstance(cause, UserError) else repr(cause)
                 raise CheckpointError(f"checkpoint of step {step} to '{folder.url}' failed: {why}") from None
-            rank_name = f"rank-{rank:05d}.pt"
+            rank_name = f"rank-{me:05d}.pt"
             folder.write_bytes(rank_file, rank_name, durable=False)
             small = {}
-            if rank == 0:
+            if me == 0:
                 small = {"state.json": json.dumps(meta, indent=1, sort_keys=True).encode(),
                          **{k: v.encode() for k, v in files.items()}}
                 for name, blob in small.items():
@@ -238,10 +166,10 @@ class CheckpointManager:
             if self.memory is not None:
                 self.memory.push(step, writer.blobs, {rank_name: rank_file})
             self.run.sync()  # everything this rank wrote is durable before rank 0 commits the manifest
-            _barrier(group)
-            if rank == 0:
+            barrier(group)
+            if me == 0:
                 self._commit(step, folder, meta, files, writer, small)
-            _barrier(group)
+            barrier(group)
         except BaseException:
             self._known = set()  # what this rank wrote may not be referenced by anything
             self._sweep = self._storage_urls()
@@ -253,7 +181,7 @@ class CheckpointManager:
         """Rank 0: manifest (t1 visible), memory commit (t0), replicas (t2), then GC."""
         config = files.get(CONFIG, "")
         total = sum(writer.chunks.values())
-        manifest = write_manifest(folder, step, _world(), {
+        manifest = write_manifest(folder, step, world(), {
             "meta": meta, "chunks": writer.chunks, "config_hash": hashlib.sha256(config.encode()).hexdigest(),
             "bytes_total": total, "bytes_written": writer.new_bytes})
         if self.memory is not None:
@@ -283,62 +211,23 @@ class CheckpointManager:
         Returns (step, meta, this rank's rank_state or None when the world size changed);
         `last_restore` says which tier it came from. Rank 0 verifies checksums before any
         rank reads a byte; a corrupt or missing copy falls back memory -> primary -> replica
-        -> the previous checkpoint, saying so.
+        -> the previous checkpoint, saying so in one warning line (see restore).
         """
         self.wait()
-        locs = self.locations()
-        attempts = _broadcast(self._plan(locs, step) if _rank() == 0 else None)
-        problems: list[str] = []
-        for s, i in attempts:
-            loc = locs[i]
-            manifest, problem = None, None
-            if _rank() == 0:
-                try:
-                    manifest = loc.check(s)
-                except (CheckpointError, StorageError) as exc:
-                    problem = str(exc)
-            manifest, problem = _broadcast((manifest, problem))
-            if manifest is None:
-                problems.append(problem)
-                log.warning("skipping checkpoint: %s", problem)
-                continue
-            try:
-                meta = json.loads(loc.read(s, "state.json", manifest))
-                rank_state = None
-                if manifest["world_size"] == _world():
-                    raw = loc.read(s, f"rank-{_rank():05d}.pt", manifest)
-                    rank_state = torch.load(io.BytesIO(raw), weights_only=True)
-                ok = True
-            except (CheckpointError, StorageError) as exc:
-                ok, problem = False, str(exc)
-            if _all_ok(ok):
-                try:
-                    load_state(state, loc.reader(s, manifest))
-                except (CheckpointException, CheckpointError, StorageError) as exc:
-                    ok, problem = False, str(exc).splitlines()[0][:300]
-            if not ok or not _all_ok(ok):
-                problems.append(problem or "another rank could not read it")
-                log.warning("skipping checkpoint: %s %s: %s", loc.label, s, problem)
-                continue
-            source = loc.label
-            if isinstance(loc, MemoryLocation) and not _all_ok(not loc.tier.peer_used):
-                source = "peer"  # some rank read a copy held by another node's keeper
-            self.last_restore = Restored(s, source, getattr(loc, "url", ""))
-            log.info("restored step %d from %s", s, source)
-            return s, meta, rank_state
-        detail = f": {problems[0]}" if problems else ""
-        raise CheckpointError(f"no loadable checkpoint in '{self.run.url}'{detail}")
+        got: dict[str, Any] = {}
 
-    def _plan(self, locs: list, step: int | None) -> list[tuple[int, int]]:
-        """(step, location index) pairs to try, newest step first, tiers in order within a step."""
-        have = [set(loc.steps()) for loc in locs]
-        primary = have[len(locs) - 1 - len(self.replicas)]
-        if self.memory is not None and primary:
-            # Memory commits after the primary's manifest, so a memory snapshot missing from a
-            # non-empty primary belongs to an older run that used this URL.
-            have[0] &= primary
-        steps = [step] if step is not None else sorted(set().union(*have), reverse=True)
-        return [(s, i) for s in steps for i in range(len(locs)) if s in have[i]]
+        def prepare(ckpt: Checkpoint) -> dict[str, Any]:
+            got["meta"] = json.loads(ckpt.read("state.json"))
+            got["rank_state"] = None
+            if ckpt.manifest["world_size"] == world():
+                raw = ckpt.read(f"rank-{rank():05d}.pt")
+                got["rank_state"] = torch.load(io.BytesIO(raw), weights_only=True)
+            return state
+
+        ckpt = restore(self.locations(), self.run.url, prepare, step)
+        self.last_restore = Restored(ckpt.step, ckpt.source, ckpt.location.url)
+        log.info("restored step %d from %s", ckpt.step, ckpt.source)
+        return ckpt.step, got["meta"], got["rank_state"]
 
     def close(self) -> None:
         """Wait for the save in flight and release the background thread."""

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cs3ray.models import PRESETS, ModelArgs
 
 from .redact import strip_masked
+from .runs import run_dir
 
 
 class Section(BaseModel):
@@ -182,7 +183,7 @@ class RunConfig(Section):
 
     def path(self) -> str:
         """The run directory (URL or local path)."""
-        return self.dir or f"runs/{self.name}"
+        return self.dir or run_dir(self.name)
 
 
 class StorageConfig(Section):
@@ -223,8 +224,9 @@ class ServeConfig(Section):
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once; the engine queues those beyond max_batch.")
     max_batch: int = Field(
         16, ge=1, description="Sequences decoded together by continuous batching (1 disables batching). 16 keeps a "
-                              "CPU replica's p99 inter-token gap under 50 ms (32 gains ~10% throughput at 50-75 ms); "
-                              "raise it on GPUs, where a step of 64-256 sequences costs about what one of 16 does.")
+                              "CPU replica's p99 inter-token gap within 50 ms (more trades latency for throughput; "
+                              "docs/benchmarks.md); raise it on GPUs, where a step of many more sequences costs about "
+                              "what one of 16 does.")
     kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
     max_prefill_tokens: int = Field(256, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(

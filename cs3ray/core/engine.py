@@ -18,6 +18,7 @@ from cs3ray.config import JobConfig
 from cs3ray.models.factory import count_parameters, model_from_config
 
 from . import parallel
+from .freeze import apply_freeze
 from .grads import clip_grad_norm
 from .memory import owned_bytes, peak_step_memory
 from .mesh import Topology
@@ -37,9 +38,7 @@ class ComputeCore:
         model = model_from_config(cfg).to(device)
         self.n_params = count_parameters(model)
         # Freezing comes before any wrapping and before the optimizer: frozen parameters get
-        # no gradient buckets and no optimizer state. (Local import: ckpt imports core.state.)
-        from cs3ray.ckpt.finetune import apply_freeze
-
+        # no gradient buckets and no optimizer state.
         self.frozen = apply_freeze(model, t.freeze)
         mesh = topology.mesh(device.type) if dist.is_initialized() else None
         self.mesh = mesh
@@ -57,13 +56,7 @@ class ComputeCore:
             self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
         elif distributed and topology.dp > 1:
             model = parallel.apply_ddp(model, device, group=mesh["dp"].get_group() if p.tp > 1 else None)
-        self.model = model
-        if t.init_from:
-            from cs3ray.ckpt.finetune import load_init_weights
-
-            # Any strategy / world size: DCP reshards the pretrained weights into this layout.
-            # A resumed run overwrites them with its own checkpoint right after.
-            load_init_weights(self.model, t.init_from, cfg.storage.options)
+        self.model = model  # train.init_from weights are loaded into it by the worker (cs3ray.train.loop)
         betas = (t.beta1, t.beta2)
         if p.strategy == "zero1" and distributed and topology.dp > 1:
             self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas, zero_group=mesh["dp"].get_group())

@@ -50,6 +50,8 @@ def peak_step_memory(run_step: Callable[[], Any], model: nn.Module, optimizer: t
         torch.cuda.reset_peak_memory_stats(device)
         out = run_step()
         return out, int(torch.cuda.max_memory_allocated(device))
+    if not all(p.requires_grad for p in model.parameters()):
+        return run_step(), None  # MemTracker hooks every parameter's gradient: frozen ones refuse hooks
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 

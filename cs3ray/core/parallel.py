@@ -5,7 +5,8 @@ The order is fixed and matters:
   2. activation ckpt   - wraps whole blocks, around the TP-sharded linears
   3. compile           - compiles each (wrapped) block, so the graph includes recompute + TP comms
   4. data parallel     - FSDP2 / DDP last: they must see the final module structure and parameters
-ZeRO-1 is an optimizer-side choice (see `build_zero1_optimizer`); the model is wrapped with DDP.
+ZeRO-1 is an optimizer-side choice (`core.optim.build_optimizer` with `zero_group`, which shards
+AdamW's state over the data-parallel group); the model is wrapped with DDP.
 """
 
 from __future__ import annotations

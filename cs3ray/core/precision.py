@@ -21,8 +21,8 @@ PRECISIONS = ("auto", *DTYPES)
 def native_bf16(device: torch.device | str) -> bool:
     """Whether the device multiplies bf16 in hardware.
 
-    CPUs without AVX512-BF16 or AMX emulate bf16 matmuls: measured on an AVX2 EPYC, 40x
-    slower than fp32, so there mixed precision would only slow training down.
+    CPUs without AVX512-BF16 or AMX emulate bf16 matmuls far slower than fp32 (figures:
+    docs/benchmarks.md), so there mixed precision would only slow training down.
     """
     kind = torch.device(device).type
     if kind == "cuda":

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Iterator
 
 from cs3ray.errors import UserError
-from cs3ray.serve.tuning import export_cluster_env
+
+from .cluster_env import export_cluster_env
 
 
 class ClusterError(UserError):
@@ -52,7 +53,7 @@ def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
 def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False,
                 serving: bool = False) -> Iterator[str]:
     """Yield the address of a connected Ray cluster; an embedded one is shut down on exit.
-    serving: an embedded cluster started to serve a model (its workers run at nice 0, see tuning)."""
+    serving: an embedded cluster started to serve a model (its workers run at nice 0, see cluster_env)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -44,13 +44,6 @@ class EventLog:
         self._flushed = len(self.lines)
 
 
-def read_events(run: Storage) -> list[dict]:
-    """All events of a run (empty when it has none yet)."""
-    if not run.exists(EVENTS):
-        return []
-    return [json.loads(line) for line in run.read_text(EVENTS).splitlines() if line.strip()]
-
-
 class TrainGauges:
     """Prometheus gauges exported through Ray's metrics agent (rank 0 sets them)."""
 

@@ -11,12 +11,12 @@ from typing import Any, Callable
 import yaml
 from pydantic import ValidationError
 
-from cs3ray.ckpt import resolve_checkpoint, resolve_run
+from cs3ray.ckpt import open_checkpoint
 from cs3ray.ckpt.manifest import MANIFEST
-from cs3ray.config import build_config
+from cs3ray.config import build_config, resolve_run
 from cs3ray.errors import UserError
 from cs3ray.models.factory import require_trust
-from cs3ray.storage import is_remote
+from cs3ray.storage import is_remote, open_url
 
 from .spec import ServeSpec
 from .tuning import replica_actor_options
@@ -51,11 +51,11 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     url = resolve_run(run)
     if not is_remote(url):
         url = os.path.abspath(url)  # replicas run in other working directories
-    folder = resolve_checkpoint(url, storage_options)
-    if follow and folder.url.rstrip("/") == url.rstrip("/") and folder.exists(MANIFEST):
+    ckpt = open_checkpoint(url, storage_options)  # the checkpoint the replicas will load
+    if follow and open_url(url, storage_options).exists(MANIFEST):
         raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
-    cfg = build_config(yaml.safe_load(folder.read_text("config.yaml")), source=f"{folder.url}/config.yaml")
-    require_trust(cfg, trust_code, f"checkpoint '{folder.url}'")  # here, not first in every replica
+    cfg = build_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
+    require_trust(cfg, trust_code, f"checkpoint '{ckpt.url}'")  # here, not first in every replica
     values = cfg.serve.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
         serve_cfg = type(cfg.serve).model_validate(values)

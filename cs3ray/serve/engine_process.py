@@ -2,12 +2,11 @@
 
 In one process the engine thread shares the GIL with Serve's asyncio threads, which format
 and send every streamed chunk: a torch op releases the GIL and the engine must win it back
-after each of the ~100 ops of a decode step. Measured on 2 cores with the tiny model, a thread
-doing a streaming replica's share of Python work stretched a 16-sequence decode step from
-7.5 ms to 10.5 ms, and the replica decoded at half the rate the engine reaches alone. vLLM
-runs its engine core in a separate process for the same reason. Here the child runs the
-engine loop on its main thread with nothing to compete with; the replica sends requests,
-cancellations and new weights through a pipe and gets each step's events back as one message.
+after each of the ~100 ops of a decode step, so a streaming replica decoded at a fraction of the
+engine's own rate (figures: docs/benchmarks.md). vLLM runs its engine core in a separate process
+for the same reason. Here the child runs the engine loop on its main thread with nothing to
+compete with; the replica sends requests, cancellations and new weights through a pipe and gets
+each step's events back as one message.
 """
 
 from __future__ import annotations

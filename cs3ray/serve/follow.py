@@ -27,18 +27,22 @@ class Follower:
     def __init__(self, spec: ServeSpec, current_url: str, swap: Callable[[torch.nn.Module, int], None],
                  device: str, dtype: torch.dtype) -> None:
         self.spec, self.current, self.swap = spec, current_url, swap
+        self.seen = current_url  # the newest checkpoint folder a poll has acted on
         self.device, self.dtype = device, dtype
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cs3-follow", daemon=True)
         self._thread.start()
 
     def poll(self) -> bool:
-        """Load and swap in the newest checkpoint if it changed; True when it did."""
-        folder = resolve_checkpoint(self.spec.run, self.spec.storage_options)
-        if folder.url == self.current:
+        """Load and swap in the run's newest good checkpoint when a new one appeared; True when it did."""
+        newest = resolve_checkpoint(self.spec.run, self.spec.storage_options).url
+        if newest == self.seen:
             return False
-        loaded = load_for_inference(folder.url, self.spec.storage_options, dtype=self.dtype,
+        self.seen = newest  # a damaged one is refused once (with its warning), not on every poll
+        loaded = load_for_inference(self.spec.run, self.spec.storage_options, dtype=self.dtype,
                                     trust_code=self.spec.trust_code)
+        if loaded.url == self.current:
+            return False
         self.swap(loaded.model.to(self.device), loaded.step)
         self.current = loaded.url
         log.info("hot-reloaded %s (step %d)", loaded.url, loaded.step)

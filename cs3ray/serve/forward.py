@@ -78,8 +78,8 @@ def ragged_forward(model: Transformer, cache: SlotCache, decode: Decode | None =
     """Logits (decode rows, then prefill rows) of the last token of every row, in one pass.
 
     Decode and prefill rows go through the model together as one flat list of tokens, so an
-    engine step that admits a prompt runs the layers' ~100 ops once, not twice: on a small model
-    on CPU those ops' fixed cost is about half a decode step. Only attention is split: a decode
+    engine step that admits a prompt runs the layers' ops once, not twice: on CPU their fixed cost
+    is a large share of a decode step (figures: docs/benchmarks.md). Only attention is split: a decode
     row attends to its slot's cached keys at positions <= its own; a prompt attends causally to
     its own keys (its positions start at 0, so the cache holds nothing else it may see). Every
     new key/value is written to the row's slot first. Padding of a shorter prompt writes keys

@@ -15,8 +15,8 @@ from cs3ray.models import ModelArgs
 
 
 def cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """Keys/values stay fp32 on CPU: its bf16 attention kernels run ~5x slower than fp32 ones at
-    decode shapes, and the cache of a CPU-sized model is small; accelerators keep the model dtype."""
+    """Keys/values stay fp32 on CPU: its bf16 attention kernels are much slower than fp32 ones at decode
+    shapes (figures: docs/benchmarks.md), and a CPU-sized model's cache is small; accelerators keep the model dtype."""
     return torch.float32 if torch.device(device).type == "cpu" else model_dtype
 
 

@@ -87,8 +87,8 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
     end = next((e for e in reversed(events) if e["event"] == "end"), {})
     progress = [e for e in events if e["event"] == "progress"]
     # The first window includes start-up and compilation, and one window holds the step whose
-    # memory was tracked (torch's MemTracker hooks every op: +30-115% on that step, measured), so
-    # leave both out of the rate when other windows remain.
+    # memory was tracked (torch's MemTracker hooks every op, which slows that step a lot; figures:
+    # docs/benchmarks.md), so leave both out of the rate when other windows remain.
     steady = [e for e in progress[1:] if not e.get("memory_tracked")] or progress[1:] or progress
     tps = sum(e["tokens_per_s"] for e in steady) / len(steady) if steady else 0.0
     mfu = sum(e.get("mfu", 0.0) for e in steady) / len(steady) if steady else 0.0
@@ -181,8 +181,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             thread.start()
             stop_sent = False
             while thread.is_alive():
-                # Each poll is an actor call that wakes the monitor, the driver and Ray's threads:
-                # at 4 a second the monitor and the driver took ~1% of a 2-core machine from training.
+                # Each poll is an actor call that wakes the monitor, the driver and Ray's threads, CPU
+                # taken from training: once a second is enough (figures: docs/benchmarks.md).
                 thread.join(timeout=POLL_S)
                 if stop is not None and stop.is_set() and not stop_sent:
                     monitor.request_stop.remote()

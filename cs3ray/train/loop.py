@@ -12,13 +12,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs3ray.bench.peak import measure_peak
 from cs3ray.ckpt import CheckpointManager
+from cs3ray.ckpt.finetune import load_init_weights
 from cs3ray.config import JobConfig, build_config, to_yaml
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import discover
 from cs3ray.core.mfu import mfu
 from cs3ray.core.optim import lr_factor
+from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
 from cs3ray.data.shards import read_manifest, read_split
@@ -61,10 +62,9 @@ def _worker_peak(dtype: torch.dtype, threads: int, device: str) -> float:
     """The matmul peak of one worker, measured by every rank at the same moment.
 
     A rank that measured while another was still starting up (importing, building its model)
-    shared its cores and got a low peak, which inflated MFU past 1 (seen: 1.06 and 1.55 with 2
-    workers on 2 cores). After a barrier every rank measures while the others do the same,
-    each on the cores it reserved; the highest figure is used, so one disturbed rank cannot
-    lower it.
+    shared its cores and got a low peak, which inflated MFU past 1 (figures: docs/benchmarks.md).
+    After a barrier every rank measures while the others do the same, each on the cores it
+    reserved; the highest figure is used, so one disturbed rank cannot lower it.
     """
     if dist.is_initialized():
         dist.barrier()
@@ -93,6 +93,10 @@ class Worker:
         self.device = ray.train.torch.get_device()
         self.topo = discover(cfg.parallel.tp, ray.get_runtime_context().get_node_id())
         self.core = ComputeCore(cfg, self.device, self.topo)
+        if cfg.train.init_from:
+            # Any strategy / world size: DCP reshards the pretrained weights into this layout.
+            # A resumed run overwrites them with its own checkpoint below.
+            load_init_weights(self.core.model, cfg.train.init_from, cfg.storage.options)
         # Every rank builds it at the same point: async mode creates its own gloo group here.
         self.ckpt = CheckpointManager.from_config(run_url, cfg)
         self.progress = Progress()

@@ -10,7 +10,7 @@ from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml
 from cs3ray.models import ByteTokenizer, Transformer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_checkpoint(run_dir: Path, step: int = 1, seed: int = 0, overrides: list[str] | None = None,

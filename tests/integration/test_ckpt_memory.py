@@ -4,8 +4,8 @@ import shutil
 
 import torch
 
-from cs3ray.ckpt import CheckpointManager
-from cs3ray.ckpt.keeper import MemoryTier, NAMESPACE, alive_nodes
+from cs3ray.ckpt import CheckpointManager, load_for_inference, open_checkpoint
+from cs3ray.ckpt.keeper import NAMESPACE, MemoryTier, alive_nodes
 from cs3ray.config import load_config, to_yaml
 from cs3ray.models import ByteTokenizer, Transformer
 
@@ -28,7 +28,8 @@ def _load(mgr):
     state = {"model": fresh.state_dict()}
     step, _, rank_state = mgr.load(state)
     fresh.load_state_dict(state["model"])
-    same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), MODEL.state_dict().values()))
+    same = all(torch.equal(a, b)
+               for a, b in zip(fresh.state_dict().values(), MODEL.state_dict().values(), strict=True))
     return step, same, rank_state
 
 
@@ -51,6 +52,11 @@ def test_restore_from_memory_when_storage_chunks_are_gone(ray_client, tmp_path):
     shutil.rmtree(tmp_path / "run" / "chunks")  # storage lost its tensor data: memory still restores
     step, same, _ = _load(CheckpointManager(run, memory_tier=True))
     assert (step, same) == (2, True)
+    # A reader connected to the cluster (a serve replica) opens it as the trainer's restore does: from memory.
+    ckpt = open_checkpoint(run, prepare=lambda c: {"model": _model(99).state_dict()})
+    assert (ckpt.step, ckpt.source) == (2, "memory")
+    assert all(torch.equal(a, b) for a, b in zip(load_for_inference(run).model.state_dict().values(),
+                                                  MODEL.state_dict().values(), strict=True))
 
     _save(restarted, MODEL, 3)  # rewrites every chunk (first save of this manager), storage whole again
     for node in alive_nodes():  # every keeper gone (a lost node): restore falls back to storage

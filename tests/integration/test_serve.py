@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import openai
@@ -20,9 +21,9 @@ from conftest import run_cs3
 from helpers.serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
+from cs3ray.ops.cluster_env import haproxy_binary
 from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
-from cs3ray.serve.tuning import haproxy_binary
 
 # Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
 # importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.
@@ -308,6 +309,34 @@ def test_cli_serve_missing_run_is_one_line(tmp_path):
                           env=dict(os.environ), cwd=ROOT)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds `marker` (what a child of ours inherits)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_cli_serve_beyond_loopback_without_token_exits_2_before_starting_ray(tmp_path):
+    run = tmp_path / "run"
+    make_checkpoint(run)
+    marker = f"CS3_TEST_MARKER={uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "CS3_SERVE_TOKEN")}
+    env[marker.split("=")[0]] = marker.split("=")[1]
+    start = time.monotonic()
+    proc = run_cs3(["serve", str(run), "--host", "0.0.0.0"], env=env, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert "--token" in proc.stderr and "CS3_SERVE_TOKEN" in proc.stderr and "--insecure" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not processes_with(marker), "cs3 serve started processes (Ray) before refusing"
+    assert took < 30, f"the refusal took {took:.1f} s: it should come before Ray starts"  # CLI start-up, busy host
 
 
 def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):

@@ -1,9 +1,6 @@
 """`cs3 bench disk`: a checkpoint-sized write beside a GEMM loop, against the same loop alone."""
 
-import json
-
 from cs3ray.bench import disk
-from conftest import run_cs3
 
 
 def test_quick_run_writes_through_the_checkpoint_path_and_reports_the_cost(tmp_path, monkeypatch):
@@ -18,10 +15,3 @@ def test_quick_run_writes_through_the_checkpoint_path_and_reports_the_cost(tmp_p
     assert r["compute_lost_s_per_gb"] == r["compute_lost_s"] * 16
     assert len(synced) == 1 and synced[0].startswith(str(tmp_path))  # one sync for all the chunk files
     assert list(tmp_path.iterdir()) == []  # nothing left behind
-
-
-def test_cli_json_and_a_bad_path_is_one_line(tmp_path):
-    bad = run_cs3(["bench", "disk", "--quick", "--path", str(tmp_path / "missing")])
-    assert bad.returncode == 2 and "is not an existing folder" in bad.stderr and "Traceback" not in bad.stderr
-    ok = run_cs3(["bench", "disk", "--quick", "--json", "--path", str(tmp_path)], check=True)
-    assert set(json.loads(ok.stdout.strip().splitlines()[-1])) == set(disk.JSON_KEYS)

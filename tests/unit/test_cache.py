@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from cs3ray.data.cache import LRU, CacheError, NoEvict, TieredCache
+from cs3ray.config.schema import CacheConfig
+from cs3ray.data.cache import LRU, CacheError, NoEvict, TieredCache, clear_node, node_stats, warm_node
 from cs3ray.data.cache import disk as disk_mod
 from cs3ray.data.cache.disk import DiskTier
 from cs3ray.data.cache.memory import MemoryTier
@@ -125,6 +126,25 @@ def test_missing_shard_is_one_clear_error(tmp_path):
             c.get(entries[1]["file"])
         with pytest.raises(CacheError, match="not a shard"):
             c.get("nope.parquet")
+
+
+def test_warm_stats_and_clear_a_nodes_l2(tmp_path):
+    src, manifest = make_shard_set(tmp_path / "l3", n_shards=3)
+    entries = manifest["splits"]["train"]
+    want = sum(e["bytes"] for e in entries)
+    # One fetch thread: shards arrive in order, so all but the last fit.
+    cache = CacheConfig(disk_dir=str(tmp_path / "l2"), disk_bytes=want - entries[-1]["bytes"], prefetch=1)
+    seen: list[tuple[int, int]] = []
+    summary = warm_node(src, cache, progress=lambda n, total: seen.append((n, total)))
+    assert seen[0] == (0, want) and sum(n for n, _ in seen) == want and {t for _, t in seen} == {want}
+    assert (summary["shards"], summary["cached_shards"], summary["bytes"]) == (len(entries), len(entries) - 1, want)
+    assert summary["l3_bytes"] == want and summary["disk_used_bytes"] == want - entries[-1]["bytes"]
+    stats = node_stats(cache)
+    assert (stats["disk_files"], stats["l3_reads"], stats["processes"]) == (len(entries) - 1, len(entries), 1)
+    assert clear_node(cache) == {"disk_dir": str(tmp_path / "l2"), "freed_bytes": summary["disk_used_bytes"]}
+    assert node_stats(cache)["disk_files"] == 0
+    with pytest.raises(CacheError, match=r"split 'test' is not in the manifest \(splits: "):
+        warm_node(src, cache, split="test")
 
 
 def _reader(src: str, entries: list, l2: str, order_seed: int, out) -> None:

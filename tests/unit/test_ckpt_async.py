@@ -1,4 +1,5 @@
-"""Async checkpoints: staging reuses page-aligned host buffers; a save is the state when it was called;\nlarge files are written with O_DIRECT (or the ordinary way where a filesystem refuses it)."""
+"""Async checkpoints: staging reuses page-aligned host buffers; a save is the state when it was called;
+large files are written with O_DIRECT (or the ordinary way where a filesystem refuses it)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers.ckpt_runs import load, save, small_model
 
-from cs3ray.ckpt import CheckpointManager
 from cs3ray import direct_io
+from cs3ray.ckpt import CheckpointManager
 from cs3ray.ckpt.staging import Stager
 from cs3ray.storage import open_url
 
@@ -49,6 +51,20 @@ def test_async_save_is_the_state_at_save_time_while_training_goes_on(tmp_path):
     fresh["model"]["big"] = torch.zeros(700, 1024)
     step, _, _ = CheckpointManager(str(tmp_path / "run")).load(fresh)
     assert step == 2 and all(torch.equal(fresh["model"][k], v) for k, v in saved.items())
+
+
+def test_async_save_stages_a_copy_and_training_goes_on(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"), async_mode="async")
+    model = small_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save(mgr, model, 7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the optimizer may change weights once staging is done
+    mgr.close()
+    got, fresh = load(CheckpointManager(str(tmp_path / "run")))
+    assert got == 7
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
 
 
 @pytest.mark.parametrize("offset", [0, 1])  # an aligned buffer is written in place, any other through a bounce

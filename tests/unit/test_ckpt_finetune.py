@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from cs3ray.ckpt import CheckpointError, CheckpointManager
-from cs3ray.ckpt.finetune import apply_freeze, load_init_weights
-from cs3ray.config import load_config, to_yaml
+from cs3ray.ckpt import CheckpointManager
+from cs3ray.ckpt.finetune import load_init_weights
+from cs3ray.config import ConfigError, load_config, to_yaml
+from cs3ray.core.freeze import apply_freeze
 from cs3ray.core.optim import build_optimizer
 from cs3ray.core.state import capture, init_adamw_state
 from cs3ray.models import ByteTokenizer, Transformer
@@ -32,7 +33,7 @@ def test_freeze_then_train_from_init(tmp_path):
     assert frozen and all(n.startswith(("tok_emb.", "blocks.0.", "blocks.1.")) for n in frozen)
     info = load_init_weights(model, str(tmp_path / "pre"))
     assert info["step"] == 10
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), pre.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), pre.state_dict().values(), strict=True))
 
     opt = build_optimizer(model, 1e-2, 0.1, (0.9, 0.95))
     init_adamw_state(opt)
@@ -48,5 +49,20 @@ def test_freeze_then_train_from_init(tmp_path):
 
 
 def test_freeze_pattern_that_matches_nothing_is_an_error():
-    with pytest.raises(CheckpointError, match="match no parameter"):
+    with pytest.raises(ConfigError, match="match no parameter"):
         apply_freeze(_model(0), ["embedding.*"])
+
+
+def test_a_core_with_frozen_parameters_steps_with_memory_tracking_on():
+    # The worker tracks peak memory on its second step; torch's tracker cannot hook frozen parameters.
+    import numpy as np
+
+    from cs3ray.core.engine import ComputeCore
+    from cs3ray.core.mesh import Topology
+
+    cfg = load_config(None, [*ARGS, "train.batch_size=2", 'train.freeze=["tok_emb.*"]', "precision=fp32"])
+    core = ComputeCore(cfg, torch.device("cpu"), Topology(0, 1, 1, ("n0",)))
+    batch = np.random.default_rng(0).integers(0, 256, (2, 17)).astype(np.int64)
+    before = core.model.tok_emb.weight.detach().clone()
+    _, applied = core.step(lambda: batch, 1e-2, track_memory=True)
+    assert applied and core.frozen and torch.equal(core.model.tok_emb.weight, before)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
-import os
-import pathlib
 import pickle
 import sys
 from pathlib import Path
@@ -17,15 +13,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from conftest import run_cs3
 from helpers.serve_checkpoints import make_checkpoint
 from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
+from helpers.untrusted import OpenForWrite, Touch, crafted_metadata, plant, write_target_module
 
-from cs3ray.ckpt import CheckpointError, CheckpointManager, load_for_inference, verify
+from cs3ray.ckpt import CheckpointError, CheckpointManager, load_for_inference
 from cs3ray.ckpt.chunks import METADATA, ChunkStore, digest
 from cs3ray.ckpt.dcp_metadata import load_metadata
 from cs3ray.ckpt.export import consolidated_model
-from cs3ray.ckpt.manifest import MANIFEST, write_manifest
+from cs3ray.ckpt.manifest import write_manifest
 from cs3ray.config import load_config, to_yaml
 from cs3ray.errors import UserError
 from cs3ray.models import ByteTokenizer, Transformer
@@ -33,37 +29,6 @@ from cs3ray.serve.deploy import make_spec
 from cs3ray.storage import open_url
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Touch:
-    """Unpickling this creates `path` (what a real attack would do with os.system)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (pathlib.Path(self.path),)
-
-
-class OpenForWrite(Touch):
-    def __reduce__(self):
-        return open, (str(self.path), "w")
-
-
-def plant(folder: Path, name: str, blob: bytes) -> None:
-    """Replace a checkpoint file and make the manifest list the new bytes, so only the unpickler can stop it."""
-    (folder / name).write_bytes(blob)
-    manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["files"][name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    verify(open_url(str(folder)))  # the checksum gate passes
-
-
-def crafted_metadata(folder: Path, payload) -> bytes:
-    """The folder's real metadata with `payload` inside it."""
-    metadata = load_metadata((folder / METADATA).read_bytes(), "ours")
-    metadata.planner_data = {"hint": payload}
-    return pickle.dumps(metadata)
 
 
 def fresh_state() -> dict:
@@ -135,30 +100,11 @@ def test_a_non_tensor_entry_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_cli_export_of_a_crafted_checkpoint_is_one_line(tmp_path):
-    marker = tmp_path / "payload-ran"
-    folder = Path(make_checkpoint(tmp_path / "run"))
-    plant(folder, METADATA, crafted_metadata(folder, Touch(marker)))
-    proc = run_cs3(["ckpt", "export", str(folder), "--out", str(tmp_path / "m.safetensors")], timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "refusing to load it" in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert not marker.exists() and not (tmp_path / "m.safetensors").exists()
-
-
 @pytest.fixture
 def target_module(tmp_path, monkeypatch):
     """A model factory module in a tmp dir on sys.path; building a model touches a marker file."""
-    marker = tmp_path / "target-ran"
-    (tmp_path / "mymodels.py").write_text(
-        "import pathlib\n"
-        "from cs3ray.config.schema import ModelConfig\n"
-        "from cs3ray.models import Transformer\n\n\n"
-        "def build(section):\n"
-        f"    pathlib.Path({str(marker)!r}).touch()\n"
-        "    return Transformer(ModelConfig(**section).args())\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    yield "mymodels:build", marker
+    yield write_target_module(tmp_path)
     sys.modules.pop("mymodels", None)
 
 
@@ -176,13 +122,4 @@ def test_a_checkpoints_model_target_is_imported_only_with_trust_code(tmp_path, t
     assert not marker.exists() and "mymodels" not in sys.modules
     assert make_spec(folder, trust_code=True).trust_code
     assert load_for_inference(folder, trust_code=True).step == 1
-    assert marker.exists()
-
-
-def test_cli_generate_with_trust_code_imports_the_target(tmp_path, target_module):
-    target, marker = target_module
-    folder = make_checkpoint(tmp_path / "run", overrides=[f"model.target={target}"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run_cs3(["generate", folder, "--prompt", "a", "--max-tokens", "1", "--dtype", "fp32", "--trust-code"], env=env,
-            timeout=120, check=True)
     assert marker.exists()

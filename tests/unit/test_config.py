@@ -81,18 +81,6 @@ def test_cli_exits_2_with_one_line_and_no_traceback():
     assert runner.invoke(app, ["config", "explain"]).exit_code == 0
 
 
-def test_unreachable_cluster_is_one_line_and_leaves_no_run(tmp_path):
-    # A subprocess, as a user runs it: this test process may already be connected to a cluster.
-    from conftest import run_cs3
-
-    result = run_cs3(["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "--address", "127.0.0.1:1"],
-                     timeout=120)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in result.stderr and "Traceback" not in result.stderr
-    # Nothing was written, so the same command works once the cluster is up.
-    assert not (tmp_path / "r" / "config.yaml").exists()
-
-
 @pytest.mark.parametrize("overrides,needle", [
     (["parallel.strategy=fsdp"], "needs parallel.strategy=ddp"),
     (["cluster.workers={min: 1, max: 2}"], "needs a fixed cluster.workers"),

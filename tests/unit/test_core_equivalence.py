@@ -1,4 +1,5 @@
-"""Every strategy computes what a single process computes; fp16 skips inf steps; memory is sharded."""
+"""Every strategy computes what a single process computes, and so do compile and activation checkpointing;
+fp16 skips inf steps; memory is sharded."""
 
 import math
 
@@ -89,3 +90,11 @@ def test_fp16_inf_step_is_skipped_and_scale_backs_off():
     r = run_core(["precision=fp16"], 0, 1, batches, inject_inf_at=2)
     assert r["applied"] == [True, True, False]
     assert r["skipped"] == 1 and r["scale"] == 2.0 ** 15
+
+
+@pytest.mark.parametrize("flag", ["train.activation_checkpointing=true", "train.compile=true"])
+def test_compile_and_activation_checkpointing_match_eager(flag):
+    batches = global_batches(3, rows=4)
+    eager = run_core(["precision=fp32"], 0, 1, batches)["losses"]
+    other = run_core(["precision=fp32", flag], 0, 1, batches)["losses"]
+    assert other == pytest.approx(eager, abs=1e-4)

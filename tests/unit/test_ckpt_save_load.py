@@ -1,28 +1,24 @@
-"""Checkpoint manager without a process group: layout, manifest, checksums, fallback, keep."""
+"""Saving and loading without a process group: layout, manifest, keep and GC, incremental chunks, crash safety,
+durability, older formats."""
 
 import io
 import json
 
 import pytest
 import torch
+from helpers.ckpt_runs import load, same, save, small_model
 
-from cs3ray.ckpt import CheckpointError, CheckpointManager, list_steps, load_for_inference, verify
-from cs3ray.config import load_config, to_yaml
-from cs3ray.models import ByteTokenizer, Transformer
+from cs3ray.ckpt import CheckpointError, CheckpointManager, list_steps, load_for_inference, read_manifest
+from cs3ray.ckpt.chunks import ChunkStore
+from cs3ray.ckpt.locations import StorageLocation
 from cs3ray.storage import open_url
-
-
-def _save(mgr, model, step):
-    files = {"config.yaml": to_yaml(load_config(None, ["model.preset=tiny"])), "tokenizer.json": ByteTokenizer().to_json()}
-    return mgr.save(step, {"model": model.state_dict()}, {"step": step, "tokens_seen": step * 10},
-                    {"torch": torch.get_rng_state()}, files)
 
 
 def test_save_load_keep_and_layout(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "run"), keep=2)
-    model = Transformer(load_config(None).model.args())
+    model = small_model()
     for step in (10, 20, 30):
-        _save(mgr, model, step)
+        save(mgr, model, step)
     assert mgr.steps() == [20, 30] and mgr.latest() == 30
     folder = tmp_path / "run" / "step-00000030"
     names = {p.name for p in folder.iterdir()}
@@ -32,12 +28,12 @@ def test_save_load_keep_and_layout(tmp_path):
     assert set(manifest["files"]) == names - {"manifest.json"}
     assert manifest["chunks"] and all(len(h) == 32 for h in manifest["chunks"])  # XXH3-128 names
 
-    fresh = Transformer(load_config(None).model.args())
+    fresh = small_model(seed=1)
     state = {"model": fresh.state_dict()}
     step, meta, rank_state = mgr.load(state)
     fresh.load_state_dict(state["model"])
     assert step == 30 and meta["tokens_seen"] == 300 and "torch" in rank_state
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -47,14 +43,14 @@ def test_a_format_1_checkpoint_with_sha256_chunk_names_still_loads_and_is_checke
     import cs3ray.ckpt.chunks as chunks
     import cs3ray.ckpt.manifest as manifest
 
-    model = Transformer(load_config(None).model.args())
+    model = small_model()
     with monkeypatch.context() as m:  # what cs3ray wrote before chunks were named by XXH3-128
         m.setattr(chunks, "digest", lambda blob: hashlib.sha256(memoryview(blob)).hexdigest())
         m.setattr(manifest, "FORMAT_VERSION", 1)
-        _save(CheckpointManager(str(tmp_path / "run")), model, 5)
+        save(CheckpointManager(str(tmp_path / "run")), model, 5)
     written = json.loads((tmp_path / "run" / "step-00000005" / "manifest.json").read_text())
     assert written["format_version"] == 1 and all(len(h) == 64 for h in written["chunks"])
-    fresh = Transformer(load_config(None).model.args())
+    fresh = small_model(seed=1)
     state = {"model": fresh.state_dict()}
     assert CheckpointManager(str(tmp_path / "run")).load(state)[0] == 5
     assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
@@ -69,42 +65,16 @@ def test_a_format_1_checkpoint_with_sha256_chunk_names_still_loads_and_is_checke
 
 def test_folder_without_manifest_is_not_a_checkpoint(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "run"))
-    model = Transformer(load_config(None).model.args())
-    _save(mgr, model, 5)
+    save(mgr, small_model(), 5)
     (tmp_path / "run" / "step-00000009").mkdir()  # a save that crashed before its manifest
     (tmp_path / "run" / "step-00000009" / "__0_0.distcp").write_bytes(b"partial")
     assert list_steps(open_url(str(tmp_path / "run"))) == [5]
     assert load_for_inference(str(tmp_path / "run")).step == 5
 
 
-def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
-    mgr = CheckpointManager(str(tmp_path / "run"), keep=3)
-    model = Transformer(load_config(None).model.args())
-    _save(mgr, model, 1)
-    _save(mgr, model, 2)
-    meta = tmp_path / "run" / "step-00000002" / ".metadata"
-    raw = bytearray(meta.read_bytes())
-    raw[-3] ^= 0x55
-    meta.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match="checksum"):
-        verify(open_url(str(tmp_path / "run" / "step-00000002")))
-    state = {"model": Transformer(load_config(None).model.args()).state_dict()}
-    step, _, _ = mgr.load(state)
-    assert step == 1
-    assert "skipping checkpoint" in caplog.text
-
-
-def test_load_for_inference_errors_are_clear(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist"):
-        load_for_inference(str(tmp_path / "nothing"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        load_for_inference(str(tmp_path / "empty"))
-
-
 def test_rank_state_loads_with_weights_only(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "run"))
-    _save(mgr, Transformer(load_config(None).model.args()), 3)
+    save(mgr, small_model(), 3)
     raw = (tmp_path / "run" / "step-00000003" / "rank-00000.pt").read_bytes()
     assert "torch" in torch.load(io.BytesIO(raw), weights_only=True)
 
@@ -119,7 +89,7 @@ def test_a_save_fsyncs_only_its_manifest_after_one_sync_of_everything_else(tmp_p
     real_sync, real_fsync = storage.sync_filesystem, os.fsync
     monkeypatch.setattr(storage, "sync_filesystem", lambda path: (events.append("sync"), real_sync(path))[1])
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
-    _save(CheckpointManager(str(tmp_path / "run")), Transformer(load_config(None).model.args()), 1)
+    save(CheckpointManager(str(tmp_path / "run")), small_model(), 1)
     assert len(events) == 2 and events[0] == "sync" and "manifest.json" in events[1], events
     assert os.path.isdir(tmp_path / "run" / "chunks")
 
@@ -131,3 +101,75 @@ def test_storage_sync_reaches_the_filesystem_and_is_a_no_op_for_object_stores(tm
     open_url(str(tmp_path / "gone")).sync()  # nothing below it yet: its nearest existing folder is synced
     open_url("memory://cs3-sync-test").sync()
     assert (tmp_path / "not-yet" / "created" / "a").read_bytes() == b"x" * 10
+
+
+def test_incremental_references_unchanged_chunks_and_gc_keeps_referenced(tmp_path, monkeypatch):
+    listings = []
+    real_sizes = ChunkStore.sizes
+    monkeypatch.setattr(ChunkStore, "sizes", lambda self: listings.append(1) or real_sizes(self))
+    mgr = CheckpointManager(str(tmp_path / "run"), keep=2)
+    model = small_model()
+    save(mgr, model, 1)
+    first = read_manifest(open_url(str(tmp_path / "run" / "step-00000001")))
+    with torch.no_grad():
+        model.output.weight.add_(1.0)  # one tensor changes
+    save(mgr, model, 2)
+    second = read_manifest(open_url(str(tmp_path / "run" / "step-00000002")))
+    changed = model.output.weight.numel() * 4
+    assert second["bytes_written"] == changed < 0.5 * second["bytes_total"]
+    assert first["bytes_written"] == first["bytes_total"]
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(2.0)
+    save(mgr, model, 3)  # step 1 is pruned: its chunks that 2 and 3 do not use must go, the rest stay
+    assert mgr.steps() == [2, 3]
+    assert len(listings) == 1  # only the first save lists every chunk; later ones diff the manifests
+    run = StorageLocation(open_url(str(tmp_path / "run")))
+    stored = set(ChunkStore(run.run).sizes())
+    live = {h for s in (2, 3) for h in read_manifest(run.folder(s))["chunks"]}
+    assert stored == live
+    for s in (2, 3):
+        run.check(s, deep=True)
+    got, fresh = load(mgr, 2)
+    assert got == 2 and not same(fresh, model)
+    got, fresh = load(mgr)
+    assert got == 3 and same(fresh, model)
+
+
+def test_crash_during_write_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+    mgr = CheckpointManager(str(tmp_path / "run"), keep=1)
+    good = small_model(1)
+    save(mgr, good, 1)
+    calls = {"n": 0}
+    real_put = ChunkStore.put
+
+    def dying_put(self, h, blob):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError("disk died")  # the process 'crashes' part-way through the tensor data
+        real_put(self, h, blob)
+
+    monkeypatch.setattr(ChunkStore, "put", dying_put)
+    with pytest.raises(CheckpointError, match="disk died"):
+        save(mgr, small_model(2), 2)
+    monkeypatch.setattr(ChunkStore, "put", real_put)
+    assert list_steps(open_url(str(tmp_path / "run"))) == [1]
+    got, fresh = load(mgr)
+    assert got == 1 and same(fresh, good)
+    later = small_model(3)
+    save(mgr, later, 3)  # the next save clears the partial folder and its orphan chunks
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["chunks", "step-00000003"]
+    run = StorageLocation(open_url(str(tmp_path / "run")))
+    assert set(ChunkStore(run.run).sizes()) == set(read_manifest(run.folder(3))["chunks"])
+    assert same(load(mgr)[1], later)
+
+
+def test_a_keeper_process_does_not_import_torch():
+    # Keeper actors start on every node of every cluster: the module their process imports must stay light.
+    import subprocess
+    import sys
+
+    from cs3ray.ckpt.keeper import Keeper  # the class the memory tier starts its actors from
+
+    code = f"import sys, {Keeper.__module__}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,42 @@
+"""The measured matmul peak of this device with a given thread count, which MFU is computed against.
+
+MFU is only honest against a peak measured on the same machine with the same threads, so
+this times large square GEMMs (the best case for any kernel library).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_peak(dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 2.0,
+                 device: str = "cpu") -> float:
+    """Best sustained FLOP/s of (size x size) @ (size x size) in `dtype`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    # Its own generator: measuring inside a worker must not advance the training RNG streams.
+    gen = torch.Generator(device).manual_seed(0)
+    try:
+        a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+        b = torch.randn(size, size, device=device, generator=gen).to(dtype)
+        t0 = time.perf_counter()
+        a @ b  # warm up kernels and caches
+        # A dtype the device emulates (fp16 on most CPUs, bf16 without AVX512-BF16) takes seconds
+        # per product: then one warm-up and single timed products keep the measurement to its budget.
+        reps = 4 if time.perf_counter() - t0 < seconds / 8 else 1
+        for _ in range(2 if reps > 1 else 0):
+            a @ b
+        best = 0.0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, reps * 2 * size**3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(old)
