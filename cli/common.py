@@ -47,7 +47,7 @@ def user_errors(fn: F) -> F:
             fail(str(exc), getattr(exc, "exit_code", 2))
         except KeyboardInterrupt:
             err_console.print("interrupted")
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
     return wrapper  # type: ignore[return-value]
 
 

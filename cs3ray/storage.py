@@ -24,8 +24,8 @@ from typing import Any, Callable, TypeVar
 
 from fsspec.core import url_to_fs
 
-from cs3ray.errors import UserError
 from cs3ray import direct_io
+from cs3ray.errors import UserError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

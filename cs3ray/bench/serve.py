@@ -101,9 +101,9 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
 
 def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int | None,
                   stream_interval_ms: float | None = None) -> dict[str, str]:
-    from cs3ray.serve.deploy import build_app, make_spec
-
     from ray import serve
+
+    from cs3ray.serve.deploy import build_app, make_spec
 
     from .serve_batch import RequestBatchServer
 

@@ -13,6 +13,7 @@ allocation) are left out of every measurement.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -59,7 +60,7 @@ def _cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[
     summary = train(cfg, overwrite=True, quiet=True, on_event=events.append)
     progress = [e for e in events if e["event"] == "progress"]
     tokens = seconds = 0.0
-    for before, window in zip(progress, progress[1:]):
+    for before, window in itertools.pairwise(progress):
         if not window.get("memory_tracked"):
             n = window["tokens_seen"] - before["tokens_seen"]
             tokens, seconds = tokens + n, seconds + n / window["tokens_per_s"]

@@ -22,16 +22,23 @@ import io
 import pickle
 import posixpath
 import warnings
-from torch.futures import Future
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from cs3ray.storage import Storage, StorageError
 

@@ -80,7 +80,7 @@ class MemoryTier:
         keepers = [keeper(n) for n in targets]
         missing = ray.get([k.missing.remote(list(blobs)) for k in keepers])
         ray.get([k.put.remote(self.run, step, {h: blobs[h] for h in miss}, list(blobs), files, n == self.node_id)
-                 for n, k, miss in zip(targets, keepers, missing)])
+                 for n, k, miss in zip(targets, keepers, missing, strict=True)])
 
     def commit(self, step: int, manifest: dict, files: dict[str, bytes]) -> None:
         """Rank 0, after every rank pushed: make the snapshot visible on every alive node's keeper."""
@@ -182,7 +182,7 @@ class Fetcher:
         try:
             refs = {h: r[0] for answer in ray.get([k.refs.remote(hs) for k, hs in by_keeper.values()])
                     for h, r in answer.items()}
-            self.got.update(zip(refs, ray.get(list(refs.values()))))
+            self.got.update(zip(refs, ray.get(list(refs.values())), strict=True))
         except Exception as exc:  # noqa: BLE001 - some copy is gone: chunk by chunk from here on
             log.warning("memory snapshot %d: batched read failed (%s); reading chunk by chunk", self.step, exc)
 

@@ -1,7 +1,16 @@
 """Job configuration: pydantic schema, YAML loading, dotted overrides, clear errors."""
 
-from .loader import (ConfigError, apply_overrides, build_config, config_hash, explain, load_config,
-                     redact_config_text, runtime_storage_options, to_yaml)
+from .loader import (
+                     ConfigError,
+                     apply_overrides,
+                     build_config,
+                     config_hash,
+                     explain,
+                     load_config,
+                     redact_config_text,
+                     runtime_storage_options,
+                     to_yaml,
+)
 from .redact import redact_config, redact_options
 from .runs import resolve_run, run_dir
 from .schema import JobConfig

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cs3ray.ckpt import load_for_inference
 
@@ -27,8 +27,19 @@ from .engine_process import EngineProcess
 from .follow import Follower
 from .metrics import RayMetrics
 from .pump import EventPump
-from .schemas import (TURN, APIError, ChatRequest, CompletionRequest, chat_body, chat_prompt, completion_body,
-                      new_id, parse, prompt_ids, usage)
+from .schemas import (
+    TURN,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chat_prompt,
+    completion_body,
+    new_id,
+    parse,
+    prompt_ids,
+    usage,
+)
 from .sequence import Event, GenRequest
 from .spec import ServeSpec
 from .tuning import tune_replica_process

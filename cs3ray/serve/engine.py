@@ -204,7 +204,7 @@ class Engine:
         if admitted:
             lengths = [len(s.req.prompt_ids) for s in admitted]
             t = max(lengths)
-            prefill = Prefill(torch.tensor([s.req.prompt_ids + [0] * (t - n) for s, n in zip(admitted, lengths)],
+            prefill = Prefill(torch.tensor([s.req.prompt_ids + [0] * (t - n) for s, n in zip(admitted, lengths, strict=True)],
                                            device=device),
                               torch.tensor(lengths, device=device),
                               torch.tensor([s.slot for s in admitted], device=device))
@@ -225,7 +225,7 @@ class Engine:
         greedy = [i for i, s in enumerate(seqs) if s.req.params.temperature <= 0]
         drawn = [i for i, s in enumerate(seqs) if s.req.params.temperature > 0]
         if greedy:  # one argmax over all greedy rows
-            for i, tok in zip(greedy, logits[greedy].float().argmax(-1).tolist()):
+            for i, tok in zip(greedy, logits[greedy].float().argmax(-1).tolist(), strict=True):
                 picks[i] = tok
         if drawn:
             temps = torch.tensor([seqs[i].req.params.temperature for i in drawn], device=logits.device)
@@ -240,10 +240,10 @@ class Engine:
             cdf = probs.cumsum(-1)
             u = torch.tensor([seqs[i].rng.random() for i in drawn], device=cdf.device).unsqueeze(1) * cdf[:, -1:]
             tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
-            for i, tok in zip(drawn, tokens.tolist()):
+            for i, tok in zip(drawn, tokens.tolist(), strict=True):
                 picks[i] = tok
         self.metrics.tokens(len(seqs))
-        for s, tok in zip(seqs, picks):
+        for s, tok in zip(seqs, picks, strict=True):
             s.pending = None
             s.accept(tok)
             if s.finished:

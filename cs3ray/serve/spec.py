@@ -13,7 +13,6 @@ from .engine import EngineOptions
 from .pump import Pacer
 
 
-
 @dataclass
 class ServeSpec:
     """A checkpoint (or run) to serve and how; built by `cs3 serve` / jobs/serve.py."""

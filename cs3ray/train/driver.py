@@ -119,8 +119,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     """
     import ray
     from ray.train import FailureConfig, RunConfig
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from .loop import train_loop_per_worker
     from .monitor import RunMonitor

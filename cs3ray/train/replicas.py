@@ -96,7 +96,7 @@ class ReplicaSync:
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         self.manager.allreduce(flat).wait()
         offset = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             n = g.numel()
             if p.grad is None:
                 p.grad = g

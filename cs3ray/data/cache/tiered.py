@@ -26,7 +26,6 @@ from .policy import make_policy
 from .remote import RemoteTier
 from .stats import CacheStats, StatsWriter
 
-
 MAX_PREFETCHED = 32
 
 
@@ -141,7 +140,7 @@ class TieredCache:
         if self.disk is None:
             raise CacheError("cache.disk_bytes is 0 or cache.disk_dir is empty: there is no L2 cache to warm.")
         futures = [self._pool.submit(self._load, n, self._entry(n), False) for n in names]
-        for n, f in zip(names, futures):
+        for n, f in zip(names, futures, strict=True):
             f.result()
             if progress:
                 progress(self.entries[n]["bytes"])
