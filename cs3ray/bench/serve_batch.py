@@ -44,7 +44,7 @@ class RequestBatchServer:
         self.tokenizer, self.context = loaded.tokenizer, loaded.model.args.max_seq_len
         # cs3ray's engine options, but Serve's batch size (the engine never holds more than it hands over).
         options = dataclasses.replace(spec.engine_options(), max_batch=MAX_BATCH_SIZE)
-        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, options)
+        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, options, token_bytes=loaded.tokenizer.token_bytes())
         self.pacer = spec.pacer()
         tune_replica_process()  # as cs3ray's server does
 

@@ -17,10 +17,14 @@ from .restore import Checkpoint
 FORMATS = ("safetensors", "torch")
 
 
-def consolidated_model(run_or_ckpt: str, options: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def consolidated_model(run_or_ckpt: str, options: dict | None = None,
+                       files: dict[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Full (unsharded) model tensors of a run's newest good checkpoint (or of one checkpoint folder),
-    whatever strategy wrote it, and its manifest; verified, with open_checkpoint's fallback."""
+    whatever strategy wrote it, and its manifest; verified, with open_checkpoint's fallback. The names
+    in `files` are filled with those files of the checkpoint used (verified too)."""
     def prepare(ckpt: Checkpoint) -> dict:
+        for name in files or {}:
+            files[name] = ckpt.read(name)
         # Verified against the manifest, then unpickled admitting DCP's metadata classes only.
         metadata = load_metadata(ckpt.read(METADATA), f"{ckpt.url}/{METADATA}")
         model: dict[str, torch.Tensor] = {}
@@ -41,11 +45,14 @@ def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict |
     stored, fp32 whatever precision trained it); returns {"path", "step", "tensors", "bytes", "dtype"}."""
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}.")
-    model, manifest = consolidated_model(run_or_ckpt, options)
+    extra = {"tokenizer.json": b""}
+    model, manifest = consolidated_model(run_or_ckpt, options, extra)
     if dtype is not None:
         model = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    info = {"step": str(manifest["step"]), "format": "cs3ray", "config_hash": str(manifest.get("config_hash", ""))}
+    info = {"step": str(manifest["step"]), "format": "cs3ray", "config_hash": str(manifest.get("config_hash", "")),
+            # The self-describing tokenizer (type byte|bpe): the export decodes without the run.
+            "tokenizer": extra["tokenizer.json"].decode("utf-8", errors="replace")}
     if fmt == "safetensors":
         from safetensors.torch import save_file
 

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from cs3ray.config import JobConfig, build_config, resolve_run
-from cs3ray.models import ByteTokenizer
+from cs3ray.models import Tokenizer, TokenizerError, tokenizer_from_json
 from cs3ray.models.factory import model_from_config
 from cs3ray.storage import Storage, StorageError, open_url
 
@@ -22,7 +22,7 @@ from .restore import Checkpoint
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     config: JobConfig
     step: int
     url: str
@@ -59,7 +59,10 @@ def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype
 
     def prepare(ckpt: Checkpoint) -> dict:
         cfg = build_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
-        tokenizer = ByteTokenizer.from_json(ckpt.read("tokenizer.json").decode())
+        try:
+            tokenizer = tokenizer_from_json(ckpt.read("tokenizer.json").decode(), f"'{ckpt.url}/tokenizer.json'")
+        except (TokenizerError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"checkpoint '{ckpt.url}' has an unusable tokenizer.json: {exc}") from None
         model = model_from_config(cfg, trust_code=trust_code, source=f"checkpoint '{ckpt.url}'")
         built.update(model=model, tokenizer=tokenizer, config=cfg)
         return {"model": model.state_dict()}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cs3ray.models import PRESETS, ModelArgs
+from cs3ray.models import PRESETS, ByteTokenizer, ModelArgs, TokenizerError, load_tokenizer, padded_vocab
 
 from .redact import strip_masked
 from .runs import run_dir
@@ -32,7 +33,9 @@ class ModelConfig(Section):
     n_heads: int | None = Field(None, ge=1, description="Attention heads (dim must divide evenly).")
     n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads for grouped-query attention (default: n_heads).")
     ffn_dim: int | None = Field(None, ge=8, description="Hidden width of the SwiGLU MLP.")
-    vocab_size: int | None = Field(None, ge=259, description="Vocabulary size (the byte tokenizer needs at least 259).")
+    vocab_size: int | None = Field(
+        None, ge=8, description="Vocabulary size; default: the preset's for the byte tokenizer, else data.tokenizer's "
+                                "size padded to a multiple of 8 (a smaller value is an error).")
     max_seq_len: int | None = Field(None, ge=8, description="Longest context the model supports (RoPE table length).")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output projection.")
@@ -69,6 +72,9 @@ class DataConfig(Section):
     format: Literal["auto", "text", "parquet", "jsonl"] = Field(
         "auto", description="How to read the source; 'auto' goes by file extension.")
     text_column: str = Field("text", description="Column holding the text in parquet/jsonl sources.")
+    tokenizer: str = Field(
+        "byte", description="'byte' (every UTF-8 byte a token), or a local tokenizer.json / folder holding one: a "
+                            "byte-level BPE of Hugging Face tokenizers (train one with `cs3 data tokenizer`).")
     max_bytes: int = Field(32_000_000, ge=1_000, description="Read at most this many bytes of the corpus.")
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="Share of samples held out for validation.")
     samples_per_shard: int = Field(2048, ge=16, description="Samples (seq_len+1 tokens each) per parquet shard.")
@@ -103,6 +109,25 @@ class ParallelConfig(Section):
         "ddp", description="ddp: replicated; zero1: optimizer state sharded; fsdp: parameters, gradients and "
                            "optimizer state sharded (FSDP2), each worker owns 1/N.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (groups of tp workers on one node split each block).")
+
+
+class CompressionConfig(Section):
+    codec: Literal["none", "bf16", "int8", "int4_sparse"] = Field(
+        "none", description="Gradient compression of data-parallel sync (DDP's all-reduce, FSDP2's reduce-scatter): "
+                            "'bf16' halves the bytes, 'int8' (absmax scale per 256 values) sends about 1/4, "
+                            "'int4_sparse' (the largest `density` share of values by magnitude, 4-bit) about 1/20; "
+                            "'none' is torch's fp32 collective.")
+    density: float = Field(
+        0.1, gt=0, le=1, description="int4_sparse: share of each gradient chunk's values sent (the largest by magnitude).")
+    error_feedback: bool = Field(
+        True, description="Carry what compression dropped into the next step's gradient (keeps convergence). Costs "
+                          "fp32 residuals per rank, counted in state_bytes: about 1+1/N gradient copies under ddp, "
+                          "one whole unsharded gradient under fsdp (N times its gradient shard).")
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps synced uncompressed (fp32) before compression starts.")
+    hierarchical: bool = Field(
+        False, description="Reduce inside each node first over shared memory, uncompressed, and compress only the "
+                           "cross-node stage (not available yet: refused when set).")
 
 
 class CheckpointConfig(Section):
@@ -250,6 +275,8 @@ class JobConfig(Section):
                             "bf16 where the device has bf16 hardware (GPUs, CPUs with AMX or AVX512-BF16), "
                             "else fp16 on GPUs and fp32 on CPUs.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism.")
+    compression: CompressionConfig = Field(default_factory=CompressionConfig,
+                                           description="Gradient compression of data-parallel sync.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray cluster and workers.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run naming and location.")
@@ -259,6 +286,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":
+        self._fit_vocab()
         args = self.model.args()
         if self.train.seq_len > args.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
@@ -276,6 +304,7 @@ class JobConfig(Section):
             if workers // tp > 1 and self.parallel.strategy != "fsdp":
                 raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
                                  f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
+        self._check_compression()
         if self.cluster.fault_tolerance == "replicas":
             # Each worker is a replica group of one holding the whole model (torchft's unit of failure).
             if self.parallel.strategy != "ddp" or tp > 1:
@@ -285,3 +314,32 @@ class JobConfig(Section):
                 raise ValueError("cluster.fault_tolerance=replicas needs a fixed cluster.workers (Ray Train replaces "
                                  "lost replicas only in fixed-size groups)")
         return self
+
+    def _fit_vocab(self) -> None:
+        """model.vocab_size from data.tokenizer when unset; a vocabulary smaller than the tokenizer is refused."""
+        name = self.data.tokenizer
+        # A config stored in a checkpoint names the training machine's tokenizer file and its vocab_size
+        # explicitly; the tokenizer then comes from the checkpoint, so a missing file is no error here.
+        if name != "byte" and self.model.vocab_size is not None and not os.path.exists(os.path.expanduser(name)):
+            return
+        try:
+            tok = ByteTokenizer() if name == "byte" else load_tokenizer(name)
+        except TokenizerError as exc:
+            raise ValueError(str(exc).rstrip(".")) from None
+        if self.model.vocab_size is None and name != "byte":
+            self.model.vocab_size = padded_vocab(tok)
+        vocab = self.model.vocab_size or PRESETS[self.model.preset or "tiny"].vocab_size
+        if vocab < tok.vocab_size:
+            raise ValueError(f"model.vocab_size={vocab} is smaller than the {tok.describe()} tokenizer's "
+                             f"{tok.vocab_size} ids (leave it unset for {padded_vocab(tok)})")
+
+    def _check_compression(self) -> None:
+        c = self.compression
+        if c.hierarchical:
+            raise ValueError("compression.hierarchical=true is not available yet (the shared-memory intra-node "
+                             "stage is not built); leave it false")
+        if c.codec == "none":
+            return
+        if self.cluster.fault_tolerance == "replicas":
+            raise ValueError(f"compression.codec={c.codec} cannot be used with cluster.fault_tolerance=replicas "
+                             f"(torchft averages the replicas' gradients itself, uncompressed)")

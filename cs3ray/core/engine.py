@@ -7,6 +7,7 @@ torch.distributed processes to compare every strategy with a single-process run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable
 
 import numpy as np
@@ -18,6 +19,7 @@ from cs3ray.config import JobConfig
 from cs3ray.models.factory import count_parameters, model_from_config
 
 from . import parallel
+from .compress import CompressionHook
 from .freeze import apply_freeze
 from .grads import clip_grad_norm
 from .memory import owned_bytes, peak_step_memory
@@ -25,6 +27,8 @@ from .mesh import Topology
 from .optim import build_optimizer, set_lr
 from .precision import LossScaler, autocast, resolve_precision
 from .state import capture, init_adamw_state, local_optimizer, restore
+
+log = logging.getLogger(__name__)
 
 
 class ComputeCore:
@@ -51,11 +55,15 @@ class ComputeCore:
         if t.compile:
             parallel.apply_compile(model)
         self.autocast = True
+        self.compression: CompressionHook | None = None  # compressed gradient sync
         if p.strategy == "fsdp" and distributed:
             parallel.apply_fsdp(model, mesh["dp"], self.precision)
+            self.compression = parallel.apply_fsdp_compression(model, cfg.compression, mesh["dp"].get_group())
             self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
         elif distributed and topology.dp > 1:
-            model = parallel.apply_ddp(model, device, group=mesh["dp"].get_group() if p.tp > 1 else None)
+            group = mesh["dp"].get_group() if p.tp > 1 else None
+            model = parallel.apply_ddp(model, device, group=group)
+            self.compression = parallel.apply_compression(model, cfg.compression, group)
         self.model = model  # train.init_from weights are loaded into it by the worker (cs3ray.train.loop)
         betas = (t.beta1, t.beta2)
         if p.strategy == "zero1" and distributed and topology.dp > 1:
@@ -155,10 +163,33 @@ class ComputeCore:
     def after_load(self, state: dict[str, Any]) -> None:
         restore(self.model, state)
 
+    def compression_state(self) -> dict[str, Any] | None:
+        """This rank's error-feedback residuals for its per-rank checkpoint file (None without compression)."""
+        return self.compression.state_dict() if self.compression else None
+
+    def load_compression_state(self, state: dict[str, Any] | None, step: int) -> None:
+        """Resume compression at optimizer step `step` with this rank's saved residuals.
+
+        Residuals belong to one rank's buckets and chunks, so they come back only when the world
+        size is unchanged (the per-rank file is read then); otherwise they start from zero, with a warning.
+        """
+        if self.compression is None:
+            return
+        if not self.compression.load_state_dict(state or {}, step) and self.cfg.compression.error_feedback:
+            log.warning("compression: error-feedback residuals start from zero at step %d (the checkpoint has "
+                        "none for this rank: world size or codec changed)", step)
+
+    def comm_stats(self) -> dict[str, float | int | None] | None:
+        """Gradient bytes this rank sent so far and their wire_ratio (compressed sync only)."""
+        return self.compression.stats() if self.compression else None
+
     def memory(self) -> dict[str, int | None]:
         """Bytes this rank owns: parameters, gradients (as of the last step), optimizer state, peak."""
         owned = owned_bytes(self.model, self.optimizer)
         owned["grad_bytes"] = self.grad_bytes
-        owned["state_bytes"] = owned["param_bytes"] + owned["grad_bytes"] + owned["optim_bytes"]
+        # Error-feedback residuals are one more fp32 copy of the gradients this rank syncs.
+        owned["residual_bytes"] = self.compression.residual_bytes() if self.compression else 0
+        owned["state_bytes"] = (owned["param_bytes"] + owned["grad_bytes"] + owned["optim_bytes"]
+                                + owned["residual_bytes"])
         owned["peak_bytes"] = self.peak_bytes
         return owned

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .compress import CompressionHook, install_fsdp_compression, register_compression
 from .precision import DTYPES
 
 
@@ -92,3 +93,20 @@ def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_
     # buffers (RoPE tables) are constants, so broadcasting them before every forward is waste.
     return DDP(model, device_ids=ids, process_group=group, bucket_cap_mb=bucket_cap_mb,
                gradient_as_bucket_view=True, broadcast_buffers=False)
+
+
+def apply_compression(model: nn.Module, compression: Any, group: Any = None) -> CompressionHook | None:
+    """Sync a DDP model's gradient buckets with the compressed all-reduce when `compression.codec` asks."""
+    if compression.codec == "none" or not isinstance(model, DDP):
+        return None
+    return register_compression(model, compression.codec, compression.density, compression.error_feedback,
+                                compression.warmup_steps, group)
+
+
+def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any) -> CompressionHook | None:
+    """Compress FSDP2's gradient reduce-scatter of every sharded module when `compression.codec` asks."""
+    if compression.codec == "none":
+        return None
+    state = CompressionHook(compression.codec, compression.density, compression.error_feedback,
+                            compression.warmup_steps, group)
+    return install_fsdp_compression(model, state)

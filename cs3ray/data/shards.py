@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cs3ray.models import ByteTokenizer
+from cs3ray.models import ByteTokenizer, Tokenizer, TokenizerError, check_same, tokenizer_from_json
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .corpus import Corpus, DataError, open_corpus
@@ -37,21 +37,40 @@ class ShardSpec:
     max_bytes: int
     seed: int
 
-    def key(self, corpus: Corpus) -> str:
-        blob = json.dumps([corpus.fingerprint(), self.__dict__, ByteTokenizer().to_json(), FORMAT_VERSION],
+    def key(self, corpus: Corpus, tokenizer: Tokenizer | None = None) -> str:
+        tok = tokenizer or ByteTokenizer()
+        blob = json.dumps([corpus.fingerprint(), self.__dict__, tok.to_json(), FORMAT_VERSION],
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _tokenize(corpus: Corpus, max_bytes: int, progress: Callable[[int], None] | None) -> np.ndarray:
-    tok = ByteTokenizer()
+BPE_BATCH = 256  # documents per encode_batch call: enough to keep the tokenizer's threads busy
+
+
+def _tokenize(corpus: Corpus, max_bytes: int, progress: Callable[[int], None] | None,
+              tok: Tokenizer) -> np.ndarray:
     parts: list[np.ndarray] = []
-    for text in corpus.documents(max_bytes):
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-        parts.append(ids)
-        parts.append(np.array([tok.eos_id], dtype=np.uint16))
+    eos = np.array([tok.eos_id], dtype=np.uint16)
+    batch: list[str] = []
+
+    def flush() -> None:
+        for ids in tok.encode_batch(batch):
+            parts.extend((np.asarray(ids, dtype=np.uint16), eos))
         if progress:
-            progress(len(text))
+            progress(sum(len(t) for t in batch))
+        batch.clear()
+
+    for text in corpus.documents(max_bytes):
+        if isinstance(tok, ByteTokenizer):  # the byte ids are the UTF-8 bytes: no tokenizer call needed
+            parts.extend((np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16), eos))
+            if progress:
+                progress(len(text))
+            continue
+        batch.append(text)
+        if len(batch) >= BPE_BATCH:
+            flush()
+    if batch:
+        flush()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
@@ -66,9 +85,13 @@ def _write_shard(dest: Storage, name: str, samples: np.ndarray) -> dict:
 
 
 def prepare_shards(corpus: Corpus, dest: Storage, spec: ShardSpec,
-                   progress: Callable[[int], None] | None = None) -> dict:
+                   progress: Callable[[int], None] | None = None, tokenizer: Tokenizer | None = None) -> dict:
     """Tokenize `corpus` into train/val shards under `dest`; returns the manifest."""
-    tokens = _tokenize(corpus, spec.max_bytes, progress)
+    tok = tokenizer or ByteTokenizer()
+    if dest.exists(MANIFEST):  # re-preparing over a shard set made with another tokenizer would mix ids
+        check_same(shard_tokenizer(read_manifest(dest), dest.url), tok, f"shard set '{dest.url}'",
+                   "this preparation")
+    tokens = _tokenize(corpus, spec.max_bytes, progress, tok)
     n = len(tokens) // (spec.seq_len + 1)
     if n < 4:
         raise DataError(f"corpus '{corpus.spec}' gives only {n} samples of {spec.seq_len + 1} tokens; "
@@ -78,7 +101,7 @@ def prepare_shards(corpus: Corpus, dest: Storage, spec: ShardSpec,
     n_val = max(1, int(round(n * spec.val_fraction)))
     splits = {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
     manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION, "source": corpus.spec, "tokenizer": json.loads(ByteTokenizer().to_json()),
+        "format_version": FORMAT_VERSION, "source": corpus.spec, "tokenizer": json.loads(tok.to_json()),
         "seq_len": spec.seq_len, "dtype": "uint16", "splits": {},
     }
     for split, idx in splits.items():
@@ -107,6 +130,14 @@ def read_manifest(dest: Storage) -> dict:
     return manifest
 
 
+def shard_tokenizer(manifest: dict, url: str) -> Tokenizer:
+    """The tokenizer a shard set was made with, from its manifest."""
+    try:
+        return tokenizer_from_json(json.dumps(manifest.get("tokenizer")), f"the tokenizer in '{url}/{MANIFEST}'")
+    except TokenizerError as exc:
+        raise DataError(str(exc)) from None
+
+
 def verify_shard(data: bytes, entry: dict, url: str) -> None:
     """Refuse shard bytes whose checksum does not match the manifest."""
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
@@ -130,17 +161,22 @@ def read_split(dest: Storage, manifest: dict, split: str) -> np.ndarray:
 
 
 def ensure_shards(source: str, cache_dir: str, spec: ShardSpec, fmt: str = "auto", text_column: str = "text",
-                  options: dict | None = None, progress: Callable[[int], None] | None = None) -> tuple[Storage, dict]:
+                  options: dict | None = None, progress: Callable[[int], None] | None = None,
+                  tokenizer: Tokenizer | None = None) -> tuple[Storage, dict]:
     """Prepared shards for `source`, reused from the cache when its key matches, else made now."""
+    tok = tokenizer or ByteTokenizer()
     corpus = open_corpus(source, fmt, text_column, options)
-    dest = open_url(cache_dir, options).child(spec.key(corpus))
+    dest = open_url(cache_dir, options).child(spec.key(corpus, tok))
     try:
-        return dest, read_manifest(dest)
+        manifest = read_manifest(dest)
     except DataError:
         pass
+    else:
+        check_same(shard_tokenizer(manifest, dest.url), tok, f"shard set '{dest.url}'")
+        return dest, manifest
     try:
         if dest.exists():
             dest.rm()  # an interrupted earlier preparation: start it over
     except StorageError:
         pass
-    return dest, prepare_shards(corpus, dest, spec, progress)
+    return dest, prepare_shards(corpus, dest, spec, progress, tok)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokenizer import ByteTokenizer
+from .tokenizer_load import Tokenizer
 from .transformer import KVCache, Transformer
 
 
@@ -64,7 +64,7 @@ def generate_ids(model: Transformer, prompt: list[int], params: SamplingParams,
     return out
 
 
-def generate_text(model: Transformer, tokenizer: ByteTokenizer, prompt: str, params: SamplingParams) -> str:
+def generate_text(model: Transformer, tokenizer: Tokenizer, prompt: str, params: SamplingParams) -> str:
     """Text continuation of `prompt`."""
     # Training documents are separated by EOS, so EOS first means "a document starts here";
     # it also gives an empty prompt something to condition on.

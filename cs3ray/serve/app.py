@@ -91,9 +91,9 @@ def load_replica(spec: ServeSpec, device: str):
 
 
 def start_engine(model: torch.nn.Module, eos_id: int, options: EngineOptions,
-                 metrics: Metrics | None = None) -> EngineProcess:
+                 metrics: Metrics | None = None, token_bytes: list[bytes] | None = None) -> EngineProcess:
     """The replica's engine, in a process of its own (see engine_process: no GIL shared with Serve)."""
-    return EngineProcess(model, eos_id, options, metrics)
+    return EngineProcess(model, eos_id, options, metrics, token_bytes)
 
 
 def sse(body: dict) -> str:
@@ -114,8 +114,10 @@ class LLMServer:
         self.tokenizer = loaded.tokenizer
         self.context = loaded.model.args.max_seq_len
         self.fingerprint = f"step-{loaded.step}"
-        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics())
-        self.follower = Follower(spec, loaded.url, self._swap, device, self.dtype) if spec.follow else None
+        self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics(),
+                                   loaded.tokenizer.token_bytes())
+        self.follower = (Follower(spec, loaded.url, self._swap, device, self.dtype, loaded.tokenizer)
+                         if spec.follow else None)
         del loaded  # the engine process has its own copy of the weights
         self.created = int(time.time())
         self._pump: EventPump | None = None

@@ -74,9 +74,10 @@ class Engine:
     """Continuous-batching generation over one model; thread-safe submit/cancel."""
 
     def __init__(self, model: Transformer, eos_id: int, options: EngineOptions = EngineOptions(),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, token_bytes: list[bytes] | None = None) -> None:
         self.model = pack(model)
         self.eos_id = eos_id
+        self.token_bytes = token_bytes  # the tokenizer's bytes per id (None: the byte tokenizer)
         self.options = options
         self.metrics = metrics or NoMetrics()
         param = next(model.parameters())
@@ -186,7 +187,7 @@ class Engine:
             if not self.cache.free_slots or (admitted and prefill + len(req.prompt_ids) > self.options.max_prefill_tokens):
                 break
             self.waiting.popleft()
-            seq = Sequence(req, self.cache.allocate(), self.eos_id)
+            seq = Sequence(req, self.cache.allocate(), self.eos_id, self.token_bytes)
             prefill += len(req.prompt_ids)
             self.running.append(seq)
             admitted.append(seq)

@@ -75,11 +75,11 @@ class _ChildMetrics:
 
 
 def _child(conn: Connection, weights: tuple[ModelArgs, bytes, torch.dtype], device: str, eos_id: int,
-           options: EngineOptions) -> None:
+           options: EngineOptions, token_bytes: list[bytes] | None = None) -> None:
     """The engine process: apply what the replica sent, run a step, send the step's events."""
     torch.set_num_threads(max(1, options.threads or 1))
     metrics = _ChildMetrics()
-    engine = Engine(_model(*weights, device), eos_id, options, metrics)
+    engine = Engine(_model(*weights, device), eos_id, options, metrics, token_bytes)
     requests: dict[int, GenRequest] = {}
     outbox: list[tuple[int, Event]] = []
 
@@ -131,7 +131,7 @@ class EngineProcess:
     swap_model, stop, load). Events come back on a reader thread and go to each request's emit."""
 
     def __init__(self, model: Transformer, eos_id: int, options: EngineOptions = EngineOptions(),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, token_bytes: list[bytes] | None = None) -> None:
         self.args = model.args
         self.options = options
         self.metrics = metrics or NoMetrics()
@@ -141,8 +141,8 @@ class EngineProcess:
         self._conn, child_end = ctx.Pipe()
         # The child keeps the engine's waiting queue unbounded: the limit is enforced here, at submit.
         child_options = replace(options, max_waiting=1 << 30)
-        self._proc = ctx.Process(target=_child, args=(child_end, _weights(model), device, eos_id, child_options),
-                                 name="cs3-engine", daemon=True)
+        self._proc = ctx.Process(target=_child, name="cs3-engine", daemon=True,
+                                 args=(child_end, _weights(model), device, eos_id, child_options, token_bytes))
         self._proc.start()
         child_end.close()
         self._send_lock = threading.Lock()

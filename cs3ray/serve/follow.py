@@ -10,6 +10,7 @@ import torch
 
 from cs3ray.ckpt import load_for_inference, resolve_checkpoint
 from cs3ray.errors import UserError
+from cs3ray.models import Tokenizer, check_same
 
 from .spec import ServeSpec
 
@@ -25,8 +26,9 @@ class Follower:
     """
 
     def __init__(self, spec: ServeSpec, current_url: str, swap: Callable[[torch.nn.Module, int], None],
-                 device: str, dtype: torch.dtype) -> None:
+                 device: str, dtype: torch.dtype, tokenizer: Tokenizer | None = None) -> None:
         self.spec, self.current, self.swap = spec, current_url, swap
+        self.tokenizer = tokenizer  # the engine decodes with it: weights of another tokenizer are not swapped in
         self.seen = current_url  # the newest checkpoint folder a poll has acted on
         self.device, self.dtype = device, dtype
         self._stop = threading.Event()
@@ -43,6 +45,9 @@ class Follower:
                                     trust_code=self.spec.trust_code)
         if loaded.url == self.current:
             return False
+        if self.tokenizer is not None:
+            check_same(loaded.tokenizer, self.tokenizer, f"checkpoint '{loaded.url}'", "the served model",
+                       "restart the deployment to serve it")
         self.swap(loaded.model.to(self.device), loaded.step)
         self.current = loaded.url
         log.info("hot-reloaded %s (step %d)", loaded.url, loaded.step)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cs3ray.models import ByteTokenizer
+from cs3ray.models import Tokenizer
 from cs3ray.models.generate import SamplingParams
 
 
@@ -142,7 +142,7 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "".join(parts) + "### Assistant:\n"
 
 
-def prompt_ids(tokenizer: ByteTokenizer, text: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of a prompt; EOS first, as every training document follows an EOS."""
     return [tokenizer.eos_id] + tokenizer.encode(text)
 

@@ -37,8 +37,11 @@ class GenRequest:
 class Sequence:
     """A running request: its slot, position, sampler state and not-yet-sent text."""
 
-    def __init__(self, req: GenRequest, slot: int, eos_id: int) -> None:
+    def __init__(self, req: GenRequest, slot: int, eos_id: int, token_bytes: list[bytes] | None = None) -> None:
         self.req = req
+        # The bytes of each token id (None: the byte tokenizer's, ids 0..255): a byte-level BPE
+        # token may end inside a UTF-8 character, which the incremental decoder holds back.
+        self._bytes = token_bytes
         self.slot = slot
         self.eos_id = -1 if req.ignore_eos else eos_id
         self.position = 0  # next position to write in the cache
@@ -59,8 +62,10 @@ class Sequence:
             self.finished = "stop"
             return
         self.generated += 1
-        if token < 256:  # specials other than EOS carry no text
-            self._text += self._decoder.decode(bytes([token]))
+        piece = (bytes([token]) if token < 256 else b"") if self._bytes is None else (
+            self._bytes[token] if 0 <= token < len(self._bytes) else b"")
+        if piece:  # specials other than EOS (and ids past the tokenizer's) carry no text
+            self._text += self._decoder.decode(piece)
         for stop in self.req.stop:
             cut = self._text.find(stop, max(0, self._sent - len(stop)))
             if cut >= 0:

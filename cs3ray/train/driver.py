@@ -9,13 +9,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from cs3ray.ckpt import list_steps, step_dir
+from cs3ray.ckpt import list_steps, resolve_checkpoint, step_dir
 from cs3ray.config import JobConfig, to_yaml
 from cs3ray.data import ShardSpec, ensure_shards
 from cs3ray.errors import UserError
+from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
 from cs3ray.ops.metrics import EventLog
-from cs3ray.storage import Storage, open_url
+from cs3ray.storage import Storage, StorageError, open_url
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -59,7 +60,28 @@ def prepare_data(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Sto
         if on_event:
             on_event({"event": "prepare", "bytes": done[0], "total": d.max_bytes})
 
-    return ensure_shards(d.source, d.cache_dir, spec, d.format, d.text_column, cfg.storage.options, progress)
+    return ensure_shards(d.source, d.cache_dir, spec, d.format, d.text_column, cfg.storage.options, progress,
+                         tokenizer=load_tokenizer(d.tokenizer))
+
+
+def check_tokenizer(cfg: JobConfig, run: Storage, resume: bool) -> None:
+    """Refuse a data.tokenizer other than the one of the checkpoint resumed or of train.init_from's weights."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    folders = []
+    steps = list_steps(run) if resume else []
+    if steps:
+        folders.append(run.child(step_dir(steps[-1])))
+    if cfg.train.init_from:
+        try:
+            folders.append(resolve_checkpoint(cfg.train.init_from, cfg.storage.options))
+        except UserError:
+            pass  # the worker reports a missing or damaged init_from checkpoint as it loads it
+    for folder in folders:
+        try:
+            text = folder.read_text("tokenizer.json")
+        except (OSError, StorageError, UnicodeDecodeError):
+            continue  # an unreadable checkpoint is refused, with its reason, by the verified load
+        check_same(tokenizer_from_json(text, f"'{folder.url}/tokenizer.json'"), tok, f"checkpoint '{folder.url}'")
 
 
 def _scaling(cfg: JobConfig):
@@ -106,7 +128,18 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
         "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
         "peak_flops": start.get("peak_flops"), "threads": start.get("threads"), "tp": cfg.parallel.tp,
         "skipped_steps": end.get("skipped_steps", 0), "memory": end.get("memory"),
+        **_compression_summary(cfg, end.get("comm")),
     }
+
+
+def _compression_summary(cfg: JobConfig, comm: list[dict[str, Any] | None] | None) -> dict[str, Any]:
+    """Compressed runs: gradient bytes a rank sent per step (the busiest rank) and the wire_ratio."""
+    stats = [c for c in comm or [] if c and c["syncs"]]
+    if cfg.compression.codec == "none" or not stats:
+        return {}
+    return {"compression": {"codec": cfg.compression.codec,
+                            "wire_ratio": round(max(c["wire_ratio"] for c in stats), 4),
+                            "bytes_per_step_per_rank": round(max(c["bytes_sent"] / c["syncs"] for c in stats))}}
 
 
 def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address: str | None = None,
@@ -128,6 +161,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     started = time.time()
     torch_config = _torch_config(cfg)  # a missing torchft is reported before anything is written
     run = prepare_run_dir(cfg, resume, overwrite)
+    check_tokenizer(cfg, run, resume)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.

@@ -22,9 +22,9 @@ from cs3ray.core.optim import lr_factor
 from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
-from cs3ray.data.shards import read_manifest, read_split
+from cs3ray.data.shards import read_manifest, read_split, shard_tokenizer
 from cs3ray.data.stream import TrainStream
-from cs3ray.models import ByteTokenizer, train_flops_per_token
+from cs3ray.models import train_flops_per_token
 from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
@@ -119,6 +119,9 @@ class Worker:
             torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.shards_url = shards_url
         self.val = self._val_slice(shards_url)
+        # Checkpoints carry the tokenizer the shards were made with (on every node, unlike a local file).
+        shards = open_url(shards_url, cfg.storage.options)
+        self.tokenizer_json = shard_tokenizer(read_manifest(shards), shards.url).to_json()
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
         # MFU is against the peak of this worker's own device and thread count, measured here.
@@ -149,6 +152,7 @@ class Worker:
         self.core.scaler.load_state_dict(meta["scaler"])
         if rank_state is not None:
             set_rng_state(rank_state)
+        self.core.load_compression_state((rank_state or {}).get("compression"), step)
         source = self.ckpt.last_restore.source if self.ckpt.last_restore else "storage"
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
                     from_strategy=meta.get("strategy"), restored_from=source,
@@ -199,9 +203,12 @@ class Worker:
                 "val_loss": p.val_loss, "scaler": self.core.scaler.state_dict(), "world_size": self.world,
                 "data": self.stream.state() if self.stream is not None else p.data_position,
                 "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "precision": self.core.precision}
-        files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": ByteTokenizer().to_json()}
+        files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": self.tokenizer_json}
         t0 = time.perf_counter()
-        url = self.ckpt.save(p.step, self.core.state(), meta, rng_state(), files)
+        # Error-feedback residuals travel in this rank's own file, beside its RNG streams.
+        compression = self.core.compression_state()
+        rank_state = {**rng_state(), **({"compression": compression} if compression else {})}
+        url = self.ckpt.save(p.step, self.core.state(), meta, rank_state, files)
         self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3),
                     data_samples=meta["data"]["samples"] if meta["data"] else None)
         return url
@@ -286,9 +293,10 @@ class Worker:
             self.sync.shutdown()
         self.stream.close()
         memory = _all_gather(self.core.memory())
+        comm = _all_gather(self.core.comm_stats())  # None on every rank unless gradients are compressed
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
                  "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}
-        self._event("end", memory=memory, **final)
+        self._event("end", memory=memory, comm=comm, **final)
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 

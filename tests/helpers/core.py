@@ -66,7 +66,7 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
     master = {str(p.dtype) for p in core.params} | {str(v.dtype) for st in optim.state.values()
                                                      for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
     return {"losses": losses, "applied": applied, "memory": core.memory(), "scale": core.scaler.scale,
-            "master_dtypes": sorted(master),
+            "master_dtypes": sorted(master), "comm": core.comm_stats(),
             "skipped": core.scaler.skipped, "optim_entries_after_eval": len(captured),
             "trainable": len({id(p) for p in core.model.parameters()})}
 

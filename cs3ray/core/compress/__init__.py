@@ -1,0 +1,11 @@
+"""Gradient compression: codecs, error feedback, a two-phase compressed all-reduce, its DDP hook and FSDP2 comm."""
+
+from .allreduce import CommStats, CompressedAllReduce, ring_bytes
+from .codec import BF16Codec, Codec, Int4SparseCodec, Int8Codec, error_bound, make_codec
+from .feedback import ErrorFeedback
+from .fsdp import CompressedReduceScatter, install_fsdp_compression
+from .hook import CompressionHook, compress_hook, register_compression
+
+__all__ = ["BF16Codec", "Codec", "CommStats", "CompressedAllReduce", "CompressedReduceScatter", "CompressionHook",
+           "ErrorFeedback", "Int4SparseCodec", "Int8Codec", "compress_hook", "error_bound", "install_fsdp_compression",
+           "make_codec", "register_compression", "ring_bytes"]

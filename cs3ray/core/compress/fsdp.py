@@ -1,0 +1,51 @@
+"""FSDP2's gradient reduce-scatter, compressed: phase 1 of the two-phase all-reduce is a reduce-scatter.
+
+Installed per FSDP module with `set_custom_reduce_scatter`. FSDP2 calls it once per module in
+backward with the module's padded flat gradient (one chunk per rank) and the op it chose (AVG,
+or SUM when it divides itself). With error feedback each rank keeps a residual as large as the
+unsharded gradients it reduces, which undoes part of what sharding saves; it is counted in
+`state_bytes`.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .hook import CompressionHook
+
+
+class CompressedReduceScatter:
+    """FSDP2's `ReduceScatter` interface (allocate + call), duck-typed: torch exports the class only privately."""
+
+    def __init__(self, state: CompressionHook, key: str, counts_step: bool) -> None:
+        self.state, self.key, self.counts_step = state, key, counts_step
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh buffer for FSDP's reduce-scatter input or output."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> None:
+        """Reduce-scatter `input_tensor` into `output_tensor`, compressed once warm-up is over."""
+        state = self.state
+        if not state.compressing:
+            world = dist.get_world_size(group)
+            fp32 = 4 * input_tensor.numel() * (world - 1) / world
+            state.reduce.stats.add(round(fp32 * input_tensor.element_size() / 4), fp32)
+            dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
+        elif op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            state.reduce.reduce_scatter(self.key, input_tensor, output_tensor, average=op == dist.ReduceOp.AVG)
+        else:
+            raise ValueError(f"compressed reduce-scatter supports AVG and SUM, not {op}")
+        if self.counts_step:
+            state.steps += 1
+
+
+def install_fsdp_compression(model: nn.Module, state: CompressionHook) -> CompressionHook:
+    """Compress the reduce-scatter of every FSDP module of `model` (the root, reduced last, counts steps)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "set_custom_reduce_scatter"):
+            module.set_custom_reduce_scatter(CompressedReduceScatter(state, name or "<root>", module is model))
+    return state
