@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-from cs3ray.data import DataError, ShardSpec, open_corpus, prepare_shards, train_tokenizer
+from cs3ray.config import runtime_storage_options
+from cs3ray.data import DataError, ShardSpec, open_corpus, prepare_shards_ray, train_tokenizer
 from cs3ray.models import load_tokenizer
+from cs3ray.ops.cluster import ray_cluster
 from cs3ray.storage import open_url
 
-from .common import console, user_errors
+from .common import AddressOpt, StorageOptionsOpt, StorageOverridesArg, console, user_errors
 
 app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 
@@ -28,26 +31,41 @@ def prepare(src: str = typer.Argument(..., help="Corpus: 'python-stdlib', a dir/
             text_column: str = typer.Option("text", help="Text column of parquet/jsonl sources."),
             seed: int = typer.Option(0, help="Seed of the train/validation split."),
             tokenizer: str = typer.Option("byte", help="'byte', or a local tokenizer.json / folder holding one."),
+            parallelism: Optional[int] = typer.Option(None, min=1, help="Concurrent Ray Data tasks per stage "
+                                                                          "(default: the cluster's CPUs); the output "
+                                                                          "is the same for any value."),
+            address: Optional[str] = AddressOpt,
+            storage: Optional[list[str]] = StorageOverridesArg,
+            storage_options: Optional[str] = StorageOptionsOpt,
             as_json: bool = typer.Option(False, "--json", help="Print the manifest summary as JSON.")) -> None:
-    """Tokenize SRC into fixed-length parquet shards plus manifest.json under DEST."""
+    """Tokenize SRC into fixed-length parquet shards plus manifest.json under DEST with a Ray Data pipeline."""
     if fmt not in ("auto", "text", "parquet", "jsonl"):
         raise typer.BadParameter(f"--format {fmt!r} is not one of auto, text, parquet, jsonl")
+    options = runtime_storage_options(storage or [], storage_options)
     tok = load_tokenizer(tokenizer)
-    corpus = open_corpus(src, fmt, text_column)
-    out = open_url(dest)
-    with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=console, transient=True, disable=as_json) as bar:
-        task = bar.add_task("tok", total=max_bytes)
-        manifest = prepare_shards(corpus, out, ShardSpec(seq_len, samples_per_shard, val_fraction, max_bytes, seed),
-                                  progress=lambda n: bar.advance(task, n), tokenizer=tok)
+    corpus = open_corpus(src, fmt, text_column, options)
+    out = open_url(dest, options)
+    with ray_cluster(address, quiet=True), \
+            Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                     console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task("tokenizing", total=max_bytes)
+
+        def shards_done(done: int, total: int) -> None:
+            bar.update(task, description="writing shards", completed=done, total=total)
+
+        manifest, kept = prepare_shards_ray(corpus, out, ShardSpec(seq_len, samples_per_shard, val_fraction,
+                                                                   max_bytes, seed),
+                                            progress=lambda n: bar.advance(task, n), tokenizer=tok,
+                                            parallelism=parallelism, on_shards=shards_done)
     summary = {"dest": out.url, "tokens": manifest["tokens"], "samples": manifest["samples"],
-               "shards": {k: len(v) for k, v in manifest["splits"].items()}}
+               "shards": {k: len(v) for k, v in manifest["splits"].items()}, "shards_kept": kept}
     if as_json:
         print(json.dumps(summary))
     else:
+        shards = summary["shards"]["train"] + summary["shards"]["val"]
+        kept_note = f" ({kept} already there and verified, left alone)" if kept else ""
         console.print(f"prepared {summary['samples']['train']} train and {summary['samples']['val']} validation "
-                      f"samples ({summary['tokens']:,} tokens) in {summary['shards']['train'] + summary['shards']['val']} "
-                      f"shards at {out.url}")
+                      f"samples ({summary['tokens']:,} tokens) in {shards} shards{kept_note} at {out.url}")
 
 
 @app.command("tokenizer")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cs3ray.data.cache import TieredCache
-from cs3ray.data.shards import _write_shard
+from cs3ray.data.shards import write_shard
 from cs3ray.data.stream import GlobalOrder
 from cs3ray.storage import open_url
 
@@ -39,7 +39,7 @@ def _make_dataset(total_mb: int, shard_mb: float, seq_len: int, local: str) -> l
     while sum(e["bytes"] for e in entries) < total_mb * 2**20:
         # Uniform ids over 16 bits do not compress, so the bytes moved are the bytes counted.
         samples = rng.integers(0, 2**16, size=(rows, seq_len + 1), dtype=np.uint16)
-        entries.append(_write_shard(dest, f"train-{len(entries):05d}.parquet", samples))
+        entries.append(write_shard(dest, f"train-{len(entries):05d}.parquet", samples))
     return entries
 
 

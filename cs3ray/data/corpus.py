@@ -61,6 +61,10 @@ class Corpus:
                 if produced >= max_bytes:
                     return
 
+    def file_documents(self, f: SourceFile) -> Iterator[str]:
+        """The non-empty document texts of one file, as `documents` yields them."""
+        return (text for text in self._read(f) if text)
+
     def _read(self, f: SourceFile) -> Iterator[str]:
         fmt = self.fmt if self.fmt != "auto" else _format_of(f.path)
         try:

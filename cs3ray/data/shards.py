@@ -47,25 +47,27 @@ class ShardSpec:
 BPE_BATCH = 256  # documents per encode_batch call: enough to keep the tokenizer's threads busy
 
 
+def encode_documents(texts: list[str], tok: Tokenizer) -> list[np.ndarray]:
+    """Token ids of each document followed by the end-of-text id, as uint16 arrays."""
+    eos = np.array([tok.eos_id], dtype=np.uint16)
+    if isinstance(tok, ByteTokenizer):  # the byte ids are the UTF-8 bytes: no tokenizer call needed
+        return [np.concatenate((np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint16), eos))
+                for t in texts]
+    return [np.concatenate((np.asarray(ids, dtype=np.uint16), eos)) for ids in tok.encode_batch(texts)]
+
+
 def _tokenize(corpus: Corpus, max_bytes: int, progress: Callable[[int], None] | None,
               tok: Tokenizer) -> np.ndarray:
     parts: list[np.ndarray] = []
-    eos = np.array([tok.eos_id], dtype=np.uint16)
     batch: list[str] = []
 
     def flush() -> None:
-        for ids in tok.encode_batch(batch):
-            parts.extend((np.asarray(ids, dtype=np.uint16), eos))
+        parts.extend(encode_documents(batch, tok))
         if progress:
             progress(sum(len(t) for t in batch))
         batch.clear()
 
     for text in corpus.documents(max_bytes):
-        if isinstance(tok, ByteTokenizer):  # the byte ids are the UTF-8 bytes: no tokenizer call needed
-            parts.extend((np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16), eos))
-            if progress:
-                progress(len(text))
-            continue
         batch.append(text)
         if len(batch) >= BPE_BATCH:
             flush()
@@ -74,44 +76,71 @@ def _tokenize(corpus: Corpus, max_bytes: int, progress: Callable[[int], None] | 
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
-def _write_shard(dest: Storage, name: str, samples: np.ndarray) -> dict:
+def encode_shard(name: str, samples: np.ndarray) -> tuple[dict, bytes]:
+    """One shard's manifest entry and parquet bytes (deterministic: same samples, same bytes)."""
     col = pa.array([row.tobytes() for row in samples], type=pa.binary())
     buf = io.BytesIO()
     pq.write_table(pa.table({TOKEN_COLUMN: col}), buf, compression="zstd")
     data = buf.getvalue()
-    dest.write_bytes(data, name)
     return {"file": name, "samples": int(len(samples)), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+            "sha256": hashlib.sha256(data).hexdigest()}, data
+
+
+def write_shard(dest: Storage, name: str, samples: np.ndarray) -> dict:
+    """Write one shard and return its manifest entry."""
+    entry, data = encode_shard(name, samples)
+    dest.write_bytes(data, name)
+    return entry
+
+
+def check_existing(dest: Storage, tok: Tokenizer) -> dict | None:
+    """The manifest already at `dest` (None if there is none); refuses one made with another tokenizer."""
+    if not dest.exists(MANIFEST):
+        return None
+    manifest = read_manifest(dest)  # re-preparing over a shard set made with another tokenizer would mix ids
+    check_same(shard_tokenizer(manifest, dest.url), tok, f"shard set '{dest.url}'", "this preparation")
+    return manifest
+
+
+def shard_plan(n_tokens: int, source: str, spec: ShardSpec) -> list[tuple[str, str, np.ndarray]]:
+    """(split, file name, sample ids) of every shard: a pure function of the token count and the spec."""
+    n = n_tokens // (spec.seq_len + 1)
+    if n < 4:
+        raise DataError(f"corpus '{source}' gives only {n} samples of {spec.seq_len + 1} tokens; "
+                        f"use more text or a shorter train.seq_len.")
+    order = np.random.default_rng(spec.seed).permutation(n)
+    n_val = max(1, int(round(n * spec.val_fraction)))
+    splits = {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
+    return [(split, f"{split}-{i:05d}.parquet", idx[start:start + spec.samples_per_shard])
+            for split, idx in splits.items() for i, start in enumerate(range(0, len(idx), spec.samples_per_shard))]
+
+
+def build_manifest(corpus: Corpus, spec: ShardSpec, tok: Tokenizer, n_tokens: int,
+                   plan: list[tuple[str, str, np.ndarray]], entries: list[dict]) -> dict:
+    """The manifest of a shard set, from its plan and the written shards' entries (in plan order)."""
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION, "source": corpus.spec, "tokenizer": json.loads(tok.to_json()),
+        "seq_len": spec.seq_len, "dtype": "uint16", "splits": {"val": [], "train": []},
+    }
+    for (split, _, _), entry in zip(plan, entries, strict=True):
+        manifest["splits"][split].append(entry)
+    manifest["samples"] = {k: sum(e["samples"] for e in v) for k, v in manifest["splits"].items()}
+    manifest["tokens"] = int(n_tokens // (spec.seq_len + 1) * (spec.seq_len + 1))
+    # What made it: a re-run with the same corpus, spec and tokenizer finds its work done.
+    manifest["key"] = spec.key(corpus, tok)
+    return manifest
 
 
 def prepare_shards(corpus: Corpus, dest: Storage, spec: ShardSpec,
                    progress: Callable[[int], None] | None = None, tokenizer: Tokenizer | None = None) -> dict:
     """Tokenize `corpus` into train/val shards under `dest`; returns the manifest."""
     tok = tokenizer or ByteTokenizer()
-    if dest.exists(MANIFEST):  # re-preparing over a shard set made with another tokenizer would mix ids
-        check_same(shard_tokenizer(read_manifest(dest), dest.url), tok, f"shard set '{dest.url}'",
-                   "this preparation")
+    check_existing(dest, tok)
     tokens = _tokenize(corpus, spec.max_bytes, progress, tok)
-    n = len(tokens) // (spec.seq_len + 1)
-    if n < 4:
-        raise DataError(f"corpus '{corpus.spec}' gives only {n} samples of {spec.seq_len + 1} tokens; "
-                        f"use more text or a shorter train.seq_len.")
-    samples = tokens[: n * (spec.seq_len + 1)].reshape(n, spec.seq_len + 1)
-    order = np.random.default_rng(spec.seed).permutation(n)
-    n_val = max(1, int(round(n * spec.val_fraction)))
-    splits = {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
-    manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION, "source": corpus.spec, "tokenizer": json.loads(tok.to_json()),
-        "seq_len": spec.seq_len, "dtype": "uint16", "splits": {},
-    }
-    for split, idx in splits.items():
-        entries = []
-        for i, start in enumerate(range(0, len(idx), spec.samples_per_shard)):
-            chunk = samples[idx[start:start + spec.samples_per_shard]]
-            entries.append(_write_shard(dest, f"{split}-{i:05d}.parquet", chunk))
-        manifest["splits"][split] = entries
-    manifest["samples"] = {k: sum(e["samples"] for e in v) for k, v in manifest["splits"].items()}
-    manifest["tokens"] = int(n * (spec.seq_len + 1))
+    plan = shard_plan(len(tokens), corpus.spec, spec)
+    samples = tokens[: len(tokens) // (spec.seq_len + 1) * (spec.seq_len + 1)].reshape(-1, spec.seq_len + 1)
+    entries = [write_shard(dest, name, samples[idx]) for _, name, idx in plan]
+    manifest = build_manifest(corpus, spec, tok, len(tokens), plan, entries)
     dest.write_text(json.dumps(manifest, indent=1), MANIFEST)
     return manifest
 
@@ -162,8 +191,9 @@ def read_split(dest: Storage, manifest: dict, split: str) -> np.ndarray:
 
 def ensure_shards(source: str, cache_dir: str, spec: ShardSpec, fmt: str = "auto", text_column: str = "text",
                   options: dict | None = None, progress: Callable[[int], None] | None = None,
-                  tokenizer: Tokenizer | None = None) -> tuple[Storage, dict]:
-    """Prepared shards for `source`, reused from the cache when its key matches, else made now."""
+                  tokenizer: Tokenizer | None = None, distributed: bool = False) -> tuple[Storage, dict]:
+    """Prepared shards for `source`, reused from the cache when its key matches, else made now
+    (distributed: by the Ray Data pipeline on the connected cluster, the same output)."""
     tok = tokenizer or ByteTokenizer()
     corpus = open_corpus(source, fmt, text_column, options)
     dest = open_url(cache_dir, options).child(spec.key(corpus, tok))
@@ -174,6 +204,10 @@ def ensure_shards(source: str, cache_dir: str, spec: ShardSpec, fmt: str = "auto
     else:
         check_same(shard_tokenizer(manifest, dest.url), tok, f"shard set '{dest.url}'")
         return dest, manifest
+    if distributed:  # an interrupted earlier preparation's shards are kept where they hold the right bytes
+        from .prepare import prepare_shards_ray
+
+        return dest, prepare_shards_ray(corpus, dest, spec, progress, tok)[0]
     try:
         if dest.exists():
             dest.rm()  # an interrupted earlier preparation: start it over

@@ -50,7 +50,10 @@ def prepare_run_dir(cfg: JobConfig, resume: bool, overwrite: bool) -> Storage:
 
 
 def prepare_data(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Storage, dict]:
-    """Shards for the job's corpus, from the cache or made now (reported as 'prepare' events)."""
+    """Shards for the job's corpus, from the cache or made now (reported as 'prepare' events): by the Ray
+    Data pipeline when Ray is connected, as in `train`; in this process otherwise, with the same output."""
+    import ray
+
     d = cfg.data
     spec = ShardSpec(cfg.train.seq_len, d.samples_per_shard, d.val_fraction, d.max_bytes, d.seed)
     done = [0]
@@ -61,7 +64,7 @@ def prepare_data(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Sto
             on_event({"event": "prepare", "bytes": done[0], "total": d.max_bytes})
 
     return ensure_shards(d.source, d.cache_dir, spec, d.format, d.text_column, cfg.storage.options, progress,
-                         tokenizer=load_tokenizer(d.tokenizer))
+                         tokenizer=load_tokenizer(d.tokenizer), distributed=ray.is_initialized())
 
 
 def check_tokenizer(cfg: JobConfig, run: Storage, resume: bool) -> None:

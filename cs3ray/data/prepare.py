@@ -1,0 +1,201 @@
+"""Shard preparation as a Ray Data pipeline: corpus files are read and tokenized on every CPU of the
+cluster and shards written in parallel, with output byte-identical to `prepare_shards`.
+
+Why the output does not depend on the cluster. Ray Data tasks read and tokenize whole corpus files
+(a text file is one document, so a file is the smallest unit that keeps documents whole) and the
+driver consumes their results in file order (`preserve_order`): the token stream is the same
+concatenation of documents the single-process path makes, cut after the same document once
+`max_bytes` of text is reached. Shard boundaries and the train/val split are a pure function of
+the stream's length and the spec (`shard_plan`), and a shard's parquet bytes a pure function of
+its samples, so the block layout, the number of tasks and the number of nodes change only where
+the work runs, never what is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from cs3ray.models import ByteTokenizer, Tokenizer, tokenizer_from_json
+from cs3ray.storage import Storage, StorageError
+
+from .corpus import Corpus, DataError, SourceFile
+from .shards import (
+    BPE_BATCH,
+    MANIFEST,
+    ShardSpec,
+    build_manifest,
+    check_existing,
+    encode_documents,
+    encode_shard,
+    shard_plan,
+)
+
+BLOCKS_PER_TASK = 4  # blocks per concurrent task: small blocks keep every CPU busy to the end
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(text: str) -> Tokenizer:
+    # Ray reuses worker processes across tasks, so each builds a BPE tokenizer once, not per block.
+    return tokenizer_from_json(text, "the preparation's tokenizer")
+
+
+def _tokenize_files(batch: pa.Table, corpus: Corpus, tok_json: str) -> pa.Table:
+    """Ray Data task: each corpus file -> its documents' character counts, token counts and tokens."""
+    tok = _tokenizer(tok_json)
+    rows: dict[str, list] = {"file": [], "chars": [], "lengths": [], "tokens": [], "error": []}
+    for i, path, size in zip(*(batch.column(c).to_pylist() for c in ("file", "path", "size")), strict=True):
+        texts, error = [], ""
+        try:
+            texts.extend(corpus.file_documents(SourceFile(path, size)))
+        except DataError as exc:  # the driver raises it only if single-process preparation would reach it
+            error = str(exc)
+        except (OSError, pa.ArrowException) as exc:
+            error = f"cannot read corpus file '{path}': {exc}"
+        docs = [d for s in range(0, len(texts), BPE_BATCH) for d in encode_documents(texts[s:s + BPE_BATCH], tok)]
+        rows["file"].append(i)
+        rows["chars"].append(np.array([len(t) for t in texts], dtype=np.int64).tobytes())
+        rows["lengths"].append(np.array([len(d) for d in docs], dtype=np.int64).tobytes())
+        rows["tokens"].append(np.concatenate(docs).tobytes() if docs else b"")
+        rows["error"].append(error)
+    return pa.table({"file": pa.array(rows["file"], pa.int64()), "chars": pa.array(rows["chars"], pa.binary()),
+                     "lengths": pa.array(rows["lengths"], pa.binary()),
+                     "tokens": pa.array(rows["tokens"], pa.binary()), "error": pa.array(rows["error"], pa.string())})
+
+
+def _write_shards_task(batch: pa.Table, dest: Storage, refs: list) -> pa.Table:
+    """Ray Data task: write the batch's shards (skipping files that already hold the same bytes)."""
+    import ray
+
+    samples, plan_ids = ray.get(refs)
+    out = []
+    for j, name in zip(batch.column("shard").to_pylist(), batch.column("name").to_pylist(), strict=True):
+        entry, data = encode_shard(name, samples[plan_ids[j]])
+        same, error = False, ""
+        try:
+            same = dest.exists(name) and hashlib.sha256(dest.read_bytes(name)).hexdigest() == entry["sha256"]
+            if not same:
+                dest.write_bytes(data, name)
+        except StorageError as exc:  # one sentence on the driver, not a task traceback
+            error = str(exc)
+        out.append({"shard": j, "entry": json.dumps(entry), "skipped": same, "error": error})
+    return pa.Table.from_pylist(out)
+
+
+def _is_local(storage: Storage) -> bool:
+    protocol = storage.fs.protocol
+    return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
+
+def _placement(local: bool, parallelism: int) -> dict[str, Any]:
+    """map_batches arguments: at most `parallelism` tasks at once; a local path exists on the driver's
+    machine only, so its tasks run there, while URLs are read and written from every node."""
+    import ray
+
+    args: dict[str, Any] = {"compute": ray.data.TaskPoolStrategy(size=parallelism)}
+    if local:
+        args["label_selector"] = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    return args
+
+
+@contextlib.contextmanager
+def _ordered(progress_bars: bool) -> Iterator[None]:
+    """Ray Data settings of this preparation: results in input order; Ray Data's bars and its per-dataset
+    log lines only when asked (the caller shows progress through its callbacks otherwise)."""
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    logger = logging.getLogger("ray.data")
+    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level
+    ctx.execution_options.preserve_order, ctx.enable_progress_bars = True, progress_bars
+    if not progress_bars:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved[:2]
+        logger.setLevel(saved[2])
+
+
+def _token_stream(corpus: Corpus, tok: Tokenizer, max_bytes: int, progress: Callable[[int], None] | None,
+                  parallelism: int) -> np.ndarray:
+    """The tokens of the corpus' documents in order, up to the document that reaches `max_bytes` of text."""
+    import ray
+
+    items = [{"file": i, "path": f.path, "size": f.size} for i, f in enumerate(corpus.files)]
+    ds = ray.data.from_items(items, override_num_blocks=min(len(items), BLOCKS_PER_TASK * parallelism))
+    ds = ds.map_batches(_tokenize_files, batch_size=None, batch_format="pyarrow",
+                        fn_kwargs={"corpus": dataclasses.replace(corpus, files=[]), "tok_json": tok.to_json()},
+                        **_placement(_is_local(corpus.storage), parallelism))
+    parts: list[np.ndarray] = []
+    produced = 0
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for row in batch.to_pylist():
+            chars = np.frombuffer(row["chars"], dtype=np.int64)
+            lengths = np.frombuffer(row["lengths"], dtype=np.int64)
+            reached = np.nonzero(produced + np.cumsum(chars) >= max_bytes)[0]
+            docs = int(reached[0]) + 1 if len(reached) else len(chars)
+            parts.append(np.frombuffer(row["tokens"], dtype=np.uint16)[: int(lengths[:docs].sum())])
+            produced += int(chars[:docs].sum())
+            if progress:
+                progress(int(chars[:docs].sum()))
+            if produced >= max_bytes:
+                return np.concatenate(parts)
+            if row["error"]:
+                raise DataError(row["error"])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def _verified(dest: Storage, manifest: dict) -> bool:
+    try:
+        return all(dest.exists(e["file"]) and hashlib.sha256(dest.read_bytes(e["file"])).hexdigest() == e["sha256"]
+                   for entries in manifest["splits"].values() for e in entries)
+    except StorageError:
+        return False
+
+
+def prepare_shards_ray(corpus: Corpus, dest: Storage, spec: ShardSpec, progress: Callable[[int], None] | None = None,
+                       tokenizer: Tokenizer | None = None, parallelism: int | None = None,
+                       progress_bars: bool = False,
+                       on_shards: Callable[[int, int], None] | None = None) -> tuple[dict, int]:
+    """`prepare_shards` on the connected Ray cluster; returns (manifest, shards already there and left alone).
+
+    parallelism: concurrent tasks per stage (default: the cluster's CPUs); it never changes the output.
+    progress: characters of text tokenized so far, as they arrive; on_shards: (shards written, of total).
+    """
+    import ray
+
+    tok = tokenizer or ByteTokenizer()
+    existing = check_existing(dest, tok)
+    if existing and existing.get("key") == spec.key(corpus, tok) and _verified(dest, existing):
+        return existing, sum(len(v) for v in existing["splits"].values())
+    workers = max(1, parallelism or int(ray.cluster_resources().get("CPU", 1)))
+    with _ordered(progress_bars):
+        tokens = _token_stream(corpus, tok, spec.max_bytes, progress, workers)
+        plan = shard_plan(len(tokens), corpus.spec, spec)
+        width = spec.seq_len + 1
+        refs = [ray.put(tokens[: len(tokens) // width * width].reshape(-1, width)), ray.put([ids for _, _, ids in plan])]
+        items = [{"shard": j, "name": name} for j, (_, name, _) in enumerate(plan)]
+        ds = ray.data.from_items(items, override_num_blocks=min(len(items), BLOCKS_PER_TASK * workers))
+        ds = ds.map_batches(_write_shards_task, batch_size=None, batch_format="pyarrow",
+                            fn_kwargs={"dest": dest, "refs": refs}, **_placement(_is_local(dest), workers))
+        rows: list[dict] = []
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            rows.extend(batch.to_pylist())
+            if on_shards:
+                on_shards(len(rows), len(items))
+        rows.sort(key=lambda r: r["shard"])
+    failed = next((r["error"] for r in rows if r["error"]), None)
+    if failed:
+        raise StorageError(failed)
+    manifest = build_manifest(corpus, spec, tok, len(tokens), plan, [json.loads(r["entry"]) for r in rows])
+    dest.write_text(json.dumps(manifest, indent=1), MANIFEST)
+    return manifest, sum(1 for r in rows if r["skipped"])
