@@ -104,6 +104,19 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
                                               "itl p99", "errors"], rows, r, as_json)
 
 
+@app.command("compress", epilog=EXIT_CODES)
+@user_errors
+def compress_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Gradient codecs vs torch's DDP hooks (bf16, per-tensor quantization, PowerSGD) and FSDP2's bf16
+    reduce: the same 2-rank run each, final loss, wire ratio, overlap, state per worker."""
+    from cs3ray.bench import compress as compress_bench
+
+    r = measured("compress", compress_bench.run, quick=quick, log=lambda line: err_console.print(line, highlight=False))
+    emit(f"gradient compression ({r['config']}, {r['steps']} steps, {r['ranks']} ranks, {r['precision']}; "
+         f"loss: mean of the last {r['final_loss_of_last']} steps; overlap: DDP only)",
+         compress_bench.COLUMNS, compress_bench.rows(r), r, as_json)
+
+
 @app.command("ckpt", epilog=EXIT_CODES)
 @user_errors
 def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),

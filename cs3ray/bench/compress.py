@@ -1,0 +1,329 @@
+"""`cs3 bench compress`: convergence, bytes and overlap of each gradient codec against torch's peers.
+
+Every codec trains the same model from the same seed on the same batches for the same steps,
+2 ranks of the real ComputeCore in plain torch.distributed processes (gloo, no Ray: what is
+compared is the gradient sync, not the cluster). DDP: none (torch's `allreduce_hook`), int8 and
+int4_sparse (cs3ray's `compress_hook`), and torch's `bf16_compress_hook`,
+`quantization_pertensor_hook` and PowerSGD (rank 2). FSDP2: none, int8 and int4_sparse (the
+compressed reduce-scatter), and FSDP2's own `reduce_dtype=bf16` as their peer.
+
+wire_ratio is bytes sent / an fp32 ring all-reduce of the same gradient (FSDP: a ring
+reduce-scatter). cs3ray counts its bytes as it sends them; torch's hooks are counted from what
+they send: bf16 half of fp32; quantization_pertensor all-gathers one uint8 per value plus its
+scale and zero point from every rank ((n-1) x (numel + 8) bytes sent); PowerSGD all-reduces
+its P and Q matrices and, uncompressed, the tensors it does not compress (its own
+numel-after / numel-before count). overlap_fraction (DDP) is measured after training: the
+median step with sync, the same step under `no_sync` (compute alone) and a replay of the last
+step's buckets through the same hook (communication alone); hidden = (compute + comm - step) /
+comm, clipped to [0, 1].
+"""
+
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, quantization_hooks
+
+from cs3ray.config import load_config
+from cs3ray.core.compress import CompressionHook, compress_hook
+from cs3ray.core.engine import ComputeCore
+from cs3ray.core.mesh import Topology
+from cs3ray.core.optim import lr_factor
+from cs3ray.core.precision import resolve_precision
+from cs3ray.data.shards import read_split
+from cs3ray.ops.ports import free_port
+from cs3ray.train.driver import prepare_data
+
+CONFIG = "configs/tiny.yaml"
+WORLD = 2
+STEPS, QUICK_STEPS = 300, 4
+TIMED_ROUNDS, QUICK_TIMED_ROUNDS = 8, 2
+LAST = 10  # final_loss: mean of the last steps' loss (less noise than one step)
+DDP_CODECS = ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_quant_pertensor_hook", "torch_powersgd_r2")
+FSDP_CODECS = ("none", "int8", "int4_sparse", "torch_fsdp_reduce_bf16")
+OURS = ("int8", "int4_sparse")
+FSDP_OVERLAP_NOTE = "not measured: no replay of FSDP2's reduce-scatter outside backward is built"
+# torch peers known not to run here, and the error that shows it: quantization_pertensor_hook
+# indexes the all-gathered (scale, zero point) pairs as one more level of nesting than gloo's
+# future returns.
+UNSUPPORTED_PEERS = {"torch_quant_pertensor_hook": "IndexError: invalid index of a 0-dim tensor"}
+KEYS = ("final_loss", "loss_delta_pct", "wire_ratio", "overlap_fraction", "state_bytes_per_worker")
+COLUMNS = ["strategy", "codec", "final loss", "loss delta %", "wire ratio", "overlap", "state MB/worker"]
+
+
+class _Recorder:
+    """A DDP comm hook's state wrapped so the buckets of a step can be replayed (communication alone)."""
+
+    def __init__(self, state: Any, hook: Callable) -> None:
+        self.state, self.hook = state, hook
+        self.recording = False
+        self.buckets: list[dist.GradBucket] = []
+        self.calls = 0  # buckets synced, replays excluded
+
+
+# No postponed annotations in this module: DDP checks a hook's annotations against the real types.
+def _recording_hook(rec: _Recorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run the wrapped hook, keeping the bucket while recording."""
+    if rec.recording:
+        rec.buckets.append(bucket)
+    rec.calls += 1
+    return rec.hook(rec.state, bucket)
+
+
+def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorder, Callable[[int], float | None]]:
+    """Register the codec's hook on the core's DDP model; returns it and a wire_ratio reader (by steps synced)."""
+    model = core.model
+    if codec in OURS:
+        c = cfg.compression
+        # What parallel.apply_compression registers, but wrapped by the recorder.
+        state = CompressionHook(codec, c.density, c.error_feedback, c.warmup_steps)
+        state.names = {id(p): name for name, p in model.named_parameters()}
+        core.compression = state  # so memory() counts its residuals and comm_stats() its bytes
+        rec = _Recorder(state, compress_hook)
+        model.register_comm_hook(rec, _recording_hook)
+        return rec, lambda _steps: state.stats()["wire_ratio"]
+    n = sum(p.numel() for p in core.params)
+    ring = 2 * (WORLD - 1) / WORLD * 4 * n
+    if codec == "none":
+        rec = _Recorder(None, default_hooks.allreduce_hook)
+        model.register_comm_hook(rec, _recording_hook)
+        return rec, lambda _steps: 1.0
+    if codec == "torch_bf16_hook":
+        rec = _Recorder(None, default_hooks.bf16_compress_hook)
+        model.register_comm_hook(rec, _recording_hook)
+        return rec, lambda _steps: 0.5  # a ring all-reduce of 2-byte values
+    if codec == "torch_quant_pertensor_hook":
+        rec = _Recorder(None, quantization_hooks.quantization_pertensor_hook)
+        model.register_comm_hook(rec, _recording_hook)
+        # Per bucket: all_gather of its (scale, zero point) pair (8 bytes), then of one uint8 per value.
+        return rec, lambda steps: (WORLD - 1) * (n * steps + 8 * rec.calls) / (ring * steps)
+    if codec == "torch_powersgd_r2":
+        # start_powerSGD_iter=2 is the earliest torch allows with error feedback; step 1 syncs in fp32.
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                            use_error_feedback=True, warm_start=True, random_seed=0)
+        rec = _Recorder(state, powerSGD_hook.powerSGD_hook)
+        model.register_comm_hook(rec, _recording_hook)
+
+        def powersgd_ratio(steps: int) -> float:
+            # Its counters cover the compressed steps; the first step's fp32 sync is averaged in.
+            compressed = state.total_numel_after_compression / max(1, state.total_numel_before_compression)
+            return ((steps - 1) * compressed + 1.0) / steps if steps else compressed
+        return rec, powersgd_ratio
+    raise ValueError(f"unknown ddp codec {codec!r}")
+
+
+def _hook_state_bytes(rec: _Recorder) -> int:
+    """Bytes a torch hook keeps between steps (PowerSGD: its error feedback and warm-start P and Q)."""
+    state = rec.state
+    if isinstance(state, powerSGD_hook.PowerSGDState):
+        tensors = [*state.error_dict.values(), *state.p_memory_dict.values(), *state.q_memory_dict.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+    return 0
+
+
+def _fsdp_reduce_in_bf16(model: torch.nn.Module) -> None:
+    """The FSDP2 peer: reduce-scatter gradients in bf16 (MixedPrecisionPolicy.reduce_dtype).
+
+    ComputeCore builds FSDP2 with reduce_dtype=fp32; FSDP2 reads each group's policy at its
+    lazy init (first forward), so the policy is swapped before that.
+    """
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                group.mp_policy = dataclasses.replace(group.mp_policy, reduce_dtype=torch.bfloat16)
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / WORLD
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds `fn` takes on the slower rank (both start together)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    t = torch.tensor([dt], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _overlap(core: ComputeCore, rec: _Recorder, batch: Callable[[], np.ndarray], lr: float,
+             rounds: int) -> dict[str, float | None]:
+    """Median step with sync, compute alone (no_sync) and the step's buckets replayed (comm alone)."""
+    step_s, compute_s, comm_s = [], [], []
+
+    def replay() -> None:
+        futures = [rec.hook(rec.state, b) for b in rec.buckets]
+        for f in futures:
+            f.wait()
+    for _ in range(rounds):
+        rec.buckets, rec.recording = [], True
+        step_s.append(_timed(lambda: core.step(batch, lr)))
+        rec.recording = False
+        comm_s.append(_timed(replay))
+        with core.model.no_sync():
+            compute_s.append(_timed(lambda: core.step(batch, lr)))
+    step, compute, comm = (statistics.median(x) for x in (step_s, compute_s, comm_s))
+    hidden = min(1.0, max(0.0, (compute + comm - step) / comm)) if comm > 0 else None
+    return {"overlap_fraction": hidden, "step_s": step, "compute_s": compute, "comm_s": comm}
+
+
+def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides: list[str], steps: int,
+           timed_rounds: int) -> dict[str, Any]:
+    """Train one (strategy, codec) on this rank; losses are the ranks' mean."""
+    ours = codec in OURS
+    cfg = load_config(CONFIG, overrides + [f"cluster.workers={WORLD}", f"parallel.strategy={strategy}",
+                                           f"compression.codec={codec if ours and strategy == 'fsdp' else 'none'}"])
+    core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, WORLD, 1, ("n0",) * WORLD))
+    rec, ratio = None, None
+    if strategy == "ddp":
+        rec, ratio = _install_ddp_hook(core, codec, cfg)
+    elif codec == "torch_fsdp_reduce_bf16":
+        _fsdp_reduce_in_bf16(core.model)
+    t = cfg.train
+    per = t.batch_size
+    losses: list[float] = []
+    started = time.perf_counter()
+    for i in range(steps):
+        rows = batches[(i * WORLD * per) % (len(batches) - WORLD * per):][:WORLD * per]
+        local = rows[rank * per:(rank + 1) * per]
+        lr = t.lr * lr_factor(i, t.warmup_steps, steps, t.min_lr_ratio)
+        loss, _ = core.step(lambda batch=local: batch, lr=lr)
+        losses.append(_mean_over_ranks(loss))
+    train_s = time.perf_counter() - started
+    memory = core.memory()
+    if strategy == "fsdp":
+        stats = core.comm_stats()
+        # FSDP's own reduce-scatter: fp32 by definition, bf16 half of it.
+        wire = stats["wire_ratio"] if stats else (0.5 if codec == "torch_fsdp_reduce_bf16" else 1.0)
+    else:
+        assert ratio is not None
+        wire = ratio(steps)
+    result: dict[str, Any] = {
+        "final_loss": float(np.mean(losses[-min(LAST, len(losses)):])), "first_loss": losses[0],
+        "wire_ratio": wire, "state_bytes_per_worker": memory["state_bytes"] + (_hook_state_bytes(rec) if rec else 0),
+        "residual_bytes": memory["residual_bytes"], "train_s": round(train_s, 2), "losses": losses,
+    }
+    if rec is not None:
+        step_rows = batches[:WORLD * per]
+        result.update(_overlap(core, rec, lambda: step_rows[rank * per:(rank + 1) * per], t.lr * t.min_lr_ratio,
+                               timed_rounds))
+    else:
+        result.update(overlap_fraction=None, overlap_note=FSDP_OVERLAP_NOTE)
+    return result
+
+
+def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], batches: np.ndarray, overrides: list[str],
+               steps: int, timed_rounds: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one core per rank
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    try:
+        for strategy, codec in jobs:
+            try:
+                r = results[f"{strategy}/{codec}"] = _train(rank, strategy, codec, batches, overrides, steps,
+                                                            timed_rounds)
+                if rank == 0:  # progress for the person waiting (the parent's log is in another process)
+                    print(f"{strategy} {codec}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}, "
+                          f"wire ratio {r['wire_ratio']:.4f}, {r['train_s']:.0f} s", file=sys.stderr, flush=True)
+            except Exception as exc:  # noqa: BLE001 - recorded as this codec's first_error
+                lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+                error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+                if codec in UNSUPPORTED_PEERS and UNSUPPORTED_PEERS[codec] in error:
+                    # A known fault of torch's own hook on gloo/CPU, hit by both ranks in the same
+                    # callback before its second collective: reported as unavailable, not measured.
+                    results[f"{strategy}/{codec}"] = {"unavailable": f"torch {torch.__version__}'s hook fails on "
+                                                                     f"gloo/CPU: {error}"}
+                    continue
+                results[f"{strategy}/{codec}"] = {"first_error": error, "traceback": traceback.format_exc()}
+                break  # the ranks' collectives are out of step after a failure
+    finally:
+        dist.destroy_process_group()
+        out.put((rank, results))
+
+
+def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...] = (),
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train every codec (2 ranks, in-process gloo) and return the JSON-able result."""
+    started = time.perf_counter()
+    steps = steps or (QUICK_STEPS if quick else STEPS)
+    rounds = QUICK_TIMED_ROUNDS if quick else TIMED_ROUNDS
+    ov = ["train.batch_size=4", "train.seq_len=64", "compression.warmup_steps=0", *overrides]
+    cfg = load_config(CONFIG, ov)
+    log(f"preparing data for {CONFIG}")
+    shards, manifest = prepare_data(cfg)
+    batches = read_split(shards, manifest, "train")
+    jobs = [("ddp", c) for c in DDP_CODECS] + [("fsdp", c) for c in FSDP_CODECS]
+    log(f"{len(jobs)} runs of {steps} steps, {WORLD} ranks (gloo), batch {cfg.train.batch_size} x "
+        f"{cfg.train.seq_len} per rank")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, jobs, batches, ov, steps, rounds, out))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    per_rank = dict(out.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    raw = per_rank[0]
+    for key, r in per_rank.get(1, {}).items():  # a failure on rank 1 only is still a failure
+        if "first_error" in r and "first_error" not in raw.get(key, {}):
+            raw[key] = r
+
+    def table(strategy: str, codecs: tuple[str, ...]) -> dict[str, Any]:
+        res: dict[str, Any] = {}
+        for c in codecs:
+            r = raw.get(f"{strategy}/{c}")
+            if r is None:
+                res[c] = {"first_error": "not run: an earlier run failed"}
+                continue
+            if "unavailable" in r:
+                res[c] = dict.fromkeys(KEYS, None) | r
+                continue
+            res[c] = {k: v for k, v in r.items() if k not in ("losses", "traceback")}
+        base = res.get("none", {}).get("final_loss")
+        for r in res.values():
+            if base and r.get("final_loss") is not None:
+                r["loss_delta_pct"] = 100 * (r["final_loss"] - base) / base
+        return res
+    ddp, fsdp = table("ddp", DDP_CODECS), table("fsdp", FSDP_CODECS)
+    for key, r in raw.items():
+        if "traceback" in r:
+            log(f"{key} failed:\n{r['traceback']}")
+    return {
+        "config": CONFIG, "overrides": ov, "precision": resolve_precision(cfg.precision, torch.device("cpu")),
+        "ranks": WORLD, "steps": steps, "final_loss_of_last": LAST, "timed_rounds": rounds,
+        "codecs": ddp, "fsdp": {"codecs": fsdp, "overlap_note": FSDP_OVERLAP_NOTE},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def rows(r: dict[str, Any]) -> list[tuple]:
+    """Table rows: strategy, codec, final loss, loss delta %, wire ratio, overlap, state MB per worker."""
+    def fmt(v: Any, spec: str) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    out = []
+    for strategy, codecs in (("ddp", r["codecs"]), ("fsdp", r["fsdp"]["codecs"])):
+        for name, c in codecs.items():
+            if c.get("unavailable"):
+                out.append((strategy, name, "unavailable", "-", "-", "-", "-"))
+                continue
+            out.append((strategy, name, fmt(c.get("final_loss"), ".4f"), fmt(c.get("loss_delta_pct"), "+.2f"),
+                        fmt(c.get("wire_ratio"), ".4f"), fmt(c.get("overlap_fraction"), ".2f"),
+                        fmt((c.get("state_bytes_per_worker") or 0) / 1e6, ".2f")))
+    return out

@@ -1,0 +1,36 @@
+"""`cs3 bench compress --quick`: every codec and peer trains on 2 real gloo ranks; no codec falls back to fp32."""
+
+import json
+import math
+
+from cs3ray.bench import compress
+from cs3ray.bench.report import measured
+
+FIELDS = {"final_loss", "loss_delta_pct", "wire_ratio", "overlap_fraction", "state_bytes_per_worker"}
+
+
+def test_quick_run_measures_every_codec_and_its_peers():
+    r = measured("compress", compress.run, quick=True, overrides=("precision=fp32",), log=lambda _line: None)
+    json.dumps(r)  # the --json line
+    ddp, fsdp = r["codecs"], r["fsdp"]["codecs"]
+    assert set(ddp) == set(compress.DDP_CODECS) and set(fsdp) == set(compress.FSDP_CODECS)
+    for name, c in [*ddp.items(), *(("fsdp " + k, v) for k, v in fsdp.items())]:
+        assert FIELDS <= set(c), name
+        if c.get("unavailable"):  # a torch peer that cannot run here is named, never faked
+            assert name in compress.UNSUPPORTED_PEERS and c["final_loss"] is None
+            continue
+        assert math.isfinite(c["final_loss"]) and math.isfinite(c["loss_delta_pct"]), name
+        assert c["state_bytes_per_worker"] > 0, name
+    for table in (ddp, fsdp):
+        # Compressed on the wire every step: no silent fallback to an fp32 sync.
+        assert table["int8"]["wire_ratio"] < 0.3 and table["int4_sparse"]["wire_ratio"] < 0.07
+        assert table["none"]["wire_ratio"] == 1.0 and table["none"]["loss_delta_pct"] == 0.0
+        # Error feedback keeps an fp32 residual per rank: counted in the state.
+        assert table["int8"]["residual_bytes"] > 0
+        assert table["int8"]["state_bytes_per_worker"] > table["none"]["state_bytes_per_worker"]
+    assert ddp["torch_bf16_hook"]["wire_ratio"] == 0.5 and ddp["torch_powersgd_r2"]["wire_ratio"] < 1.0
+    assert fsdp["torch_fsdp_reduce_bf16"]["wire_ratio"] == 0.5
+    for name in ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_powersgd_r2"):
+        assert 0.0 <= ddp[name]["overlap_fraction"] <= 1.0 and ddp[name]["comm_s"] > 0, name
+    assert fsdp["int8"]["overlap_fraction"] is None and r["fsdp"]["overlap_note"]
+    assert all(len(row) == len(compress.COLUMNS) for row in compress.rows(r))
