@@ -149,7 +149,9 @@ def test_compressed_runs_count_their_bytes_and_residuals(trained):
     # Three of six steps uncompressed: halfway between fp32 and int8.
     assert ratios["int8-warmup"] == pytest.approx((1 + ratios["int8-fp32"]) / 2, rel=0.02)
     mem = trained["rank0"]["int8-fp32"]["memory"]
-    assert mem["residual_bytes"] > 0
+    # (1 + 1/N) gradients: the sender's residual for every chunk and the owner's for its own; none
+    # left behind by the buckets DDP rebuilds after the first step.
+    assert 1.4 * mem["grad_bytes"] <= mem["residual_bytes"] <= 1.6 * mem["grad_bytes"], mem
     assert mem["state_bytes"] == mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"] + mem["residual_bytes"]
     assert trained["rank0"]["none-fp32"]["memory"]["residual_bytes"] == 0
 

@@ -21,6 +21,7 @@ class ErrorFeedback:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        self.used: set[Hashable] = set()  # keys encoded since the last prune
 
     def encode(self, key: Hashable, codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, transmitted values) of x plus the residual kept under `key`; updates the residual."""
@@ -28,6 +29,7 @@ class ErrorFeedback:
         if not self.enabled or codec.name == "none":  # an exact codec leaves nothing behind
             payload = codec.encode(x)
             return payload, codec.decode(payload, x.numel())
+        self.used.add(key)
         res = self.residuals.get(key)
         # A bucket whose size changed (DDP rebuilds buckets after the first step) starts afresh.
         if res is None or res.numel() != x.numel():
@@ -47,6 +49,15 @@ class ErrorFeedback:
         """Bytes the residuals hold."""
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
 
+    def prune(self) -> None:
+        """Drop residuals no encode used since the last prune: after DDP rebuilds its buckets, the
+        first step's keys are never seen again, and their residuals would only cost memory and
+        checkpoint bytes."""
+        for key in [k for k in self.residuals if k not in self.used]:
+            del self.residuals[key]
+        self.used.clear()
+
     def reset(self) -> None:
         """Forget every residual."""
         self.residuals.clear()
+        self.used.clear()

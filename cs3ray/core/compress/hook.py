@@ -72,6 +72,8 @@ def compress_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futu
         key = (state.names.get(id(params[0]), ""), state.names.get(id(params[-1]), ""), buffer.numel())
         fut = state.reduce.start(key, buffer, out=buffer)
     if last:
+        if state.compressing:
+            state.reduce.end_step()
         state.steps += 1
     return fut
 
