@@ -33,6 +33,12 @@ from cs3ray.ops.cluster_env import export_cluster_env  # noqa: E402
 export_cluster_env()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Unit tests first, each folder in its own order: they need no Ray, and once the session's head is up
+    its processes (and this process as its driver) share the cores with the unit tests' torch threads."""
+    items.sort(key=lambda item: "integration" in item.path.parts)
+
+
 @pytest.fixture(scope="session")
 def ray_head() -> HeadNode:
     """One `ray start --head` on 127.0.0.1 for the whole session; CLI tests reach it with --address."""
@@ -73,6 +79,26 @@ def short_run(ray_head, tmp_path_factory):
             runs[precision] = run_dir, json.loads(proc.stdout.strip().splitlines()[-1])
         return runs[precision]
     return train
+
+
+TRAINED_STEPS = 10  # the steps of `trained_run`, of 8 samples per worker each
+
+
+@pytest.fixture(scope="session")
+def trained_run(ray_head, tmp_path_factory):
+    """(run dir, summary) of `cs3 train` on the session's head: TRAINED_STEPS steps of the tiny model on 2 FSDP
+    workers in fp32 (the same run on every host), with its data trace. Trained once: tests read it, or continue
+    a copy of it (tests/integration/test_resharding.py)."""
+    import json
+
+    run_dir = tmp_path_factory.mktemp("trained") / "tiny"
+    # Half of tiny.yaml's batch: shorter steps, and the model still learns plenty in 10 of them
+    # (the validation loss falls by a third within the first 5).
+    proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"train.steps={TRAINED_STEPS}",
+                    "train.eval_every=5", "train.log_every=5", "checkpoint.every=5", "train.warmup_steps=2",
+                    "train.batch_size=8", "parallel.strategy=fsdp", "cache.trace=true", "precision=fp32",
+                    "--address", ray_head.address, "--json"], env=ray_head.env(), check=True)
+    return run_dir, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_cs3(args: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 600,

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from conftest import run_cs3
 from helpers.serve_checkpoints import make_checkpoint
 
@@ -201,6 +200,7 @@ def test_openai_client_sees_bad_request_and_unknown_route(app):
     assert info.value.body["code"] == "not_found"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trained, served", [("bf16", "fp16"), ("fp16", "bf16")])
 def test_a_run_trained_in_one_precision_serves_in_another(http_port, short_run, trained, served):
     # fp32 is the `app` above. The checkpoints hold fp32 weights whatever trained them; bf16 serving
@@ -263,6 +263,7 @@ def haproxies() -> set[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_cli_serve_foreground_on_its_own_cluster_streams_then_stops_on_sigterm(tmp_path):
     """`cs3 serve` without --address, as the README runs it: an embedded serving cluster, HTTP through
     Serve's HAProxy ingress (where installed: ray[serve] bundles it on Linux), stopped by SIGTERM."""
@@ -339,6 +340,7 @@ def test_cli_serve_beyond_loopback_without_token_exits_2_before_starting_ray(tmp
     assert took < 30, f"the refusal took {took:.1f} s: it should come before Ray starts"  # CLI start-up, busy host
 
 
+@pytest.mark.slow
 def test_jobs_serve_with_ray_job_submit_and_stop(ray_head, http_port, tmp_path):
     # On the session head, whose job agent listens on a port of its own (tests/helpers/cluster.py); the
     # job joins the Serve instance this module started, so it is given the same host and port.
@@ -444,6 +446,7 @@ def replica_states(app: str) -> dict[str, int]:
     return dict(status.deployments[f"{app}-llm"].replica_states) if status and status.deployments else {}
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load_then_removes_it(http_port, tmp_path):
     run = tmp_path / "run"
     make_checkpoint(run, step=6)

@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from cs3ray.core.mesh import Topology, TopologyError
 
 
+@pytest.mark.slow
 def test_ranks_are_node_ordered_and_tp_groups_stay_on_one_node():
     proc = subprocess.run([sys.executable, "tests/scenarios/multinode_topology.py"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
 from helpers.serve_checkpoints import make_checkpoint
 from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
 from helpers.untrusted import OpenForWrite, Touch, crafted_metadata, plant, write_target_module
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, load_for_inference
 from cs3ray.ckpt.chunks import METADATA, ChunkStore, digest
