@@ -25,9 +25,9 @@ if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKE
         and not (Path.home() / ".ray" / "auth_token").exists()):
     subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True)
 
-from helpers.cluster import HeadNode, start_head  # noqa: E402
-
 from cs3ray.ops.cluster_env import export_cluster_env  # noqa: E402
+
+from helpers.cluster import HeadNode, start_head  # noqa: E402
 
 # The test head runs Serve's proxy as `cs3 serve` runs it on an embedded cluster (gRPC to replicas).
 export_cluster_env()

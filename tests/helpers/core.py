@@ -48,7 +48,7 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
             def overflow(_module, _inputs, out):
                 out.register_hook(lambda g: torch.full_like(g, float("inf")))
             hook = core.model.register_forward_hook(overflow)
-        loss, ok = core.step(lambda: local, lr=cfg.train.lr, track_memory=(i == 1))
+        loss, ok = core.step(lambda batch=local: batch, lr=cfg.train.lr, track_memory=(i == 1))
         if hook is not None:
             hook.remove()
         t = torch.tensor([loss], dtype=torch.float64)

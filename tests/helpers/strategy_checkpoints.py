@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers.core import MODEL, global_batches
-
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.models import ByteTokenizer
 from cs3ray.ops.ports import free_port
+
+from helpers.core import MODEL, global_batches
 
 STRATEGIES = {"ddp": ["parallel.strategy=ddp"], "zero1": ["parallel.strategy=zero1"],
               "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.tp=2"]}
@@ -36,7 +36,7 @@ def _entry(rank: int, world: int, port: int, root: str, out) -> None:
             topo = Topology(rank, world, cfg.parallel.tp, ("n0",) * world)
             core = ComputeCore(cfg, torch.device("cpu"), topo)
             per = len(batch) // topo.dp
-            core.step(lambda: batch[topo.dp_rank * per:(topo.dp_rank + 1) * per], lr=cfg.train.lr)  # optimizer state
+            core.step(lambda rows=batch[topo.dp_rank * per:(topo.dp_rank + 1) * per]: rows, lr=cfg.train.lr)  # optimizer state
             files = {"config.yaml": to_yaml(cfg), "tokenizer.json": ByteTokenizer().to_json()}
             mgr = CheckpointManager(f"{root}/{name}", keep=1)
             mgr.save(1, core.state(), {"step": 1}, {}, files)

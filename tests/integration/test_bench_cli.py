@@ -2,9 +2,9 @@
 
 import json
 
-from conftest import run_cs3
-
 from cs3ray.bench import disk
+
+from conftest import run_cs3
 
 
 def test_bench_disk_json_and_a_bad_path_is_one_line(tmp_path):

@@ -17,8 +17,9 @@ if (Path.home() / ".ray" / "auth_token").exists():
 from cs3ray.bench.loopback_s3 import LatencyProxy, MotoServer, make_bucket, s3_options
 from cs3ray.data.cache import CacheError, TieredCache, read_all, total
 from cs3ray.storage import open_url
-from helpers.shard_sets import make_shard_set
+
 from conftest import run_cs3
+from helpers.shard_sets import make_shard_set
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cs3ray.ckpt.chunks import METADATA
+
 from conftest import run_cs3
 from helpers.serve_checkpoints import make_checkpoint
 from helpers.untrusted import Touch, crafted_metadata, plant, write_target_module
-
-from cs3ray.ckpt.chunks import METADATA
 
 
 def test_cli_export_of_a_crafted_checkpoint_is_one_line(tmp_path):

@@ -12,9 +12,10 @@ import uuid
 
 import pytest
 
-from conftest import ROOT
 from cs3ray.config import load_config
 from cs3ray.train.elastic import global_samples
+
+from conftest import ROOT
 
 
 def _events(path):

@@ -2,10 +2,10 @@
 
 import os
 
+from cs3ray.ckpt import CheckpointManager
+
 from conftest import run_cs3
 from helpers.ckpt_runs import flip_byte, newest_only_chunk, save, small_model
-
-from cs3ray.ckpt import CheckpointManager
 
 
 def test_generate_falls_back_to_the_previous_checkpoint_with_one_warning_line(tmp_path):

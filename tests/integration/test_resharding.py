@@ -14,11 +14,12 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, TRAINED_STEPS, run_cs3
 
 from cs3ray.config import load_config
 from cs3ray.data.shards import read_manifest
 from cs3ray.data.stream import GlobalOrder
+
+from conftest import ROOT, TRAINED_STEPS, run_cs3
 
 BATCH = 8  # per worker, as in the first run: half of tiny.yaml's, for shorter steps
 FAST = ["train.log_every=2", "train.eval_every=100", "train.eval_batches=2", "checkpoint.every=100",

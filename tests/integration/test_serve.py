@@ -16,13 +16,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import run_cs3
-from helpers.serve_checkpoints import make_checkpoint
 
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster_env import haproxy_binary
 from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
+
+from conftest import run_cs3
+from helpers.serve_checkpoints import make_checkpoint
 
 # Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
 # importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.

@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 from cs3ray.core.mesh import Topology, TopologyError
+
+from conftest import ROOT
 
 
 @pytest.mark.slow

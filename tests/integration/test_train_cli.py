@@ -10,10 +10,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, TRAINED_STEPS, run_cs3
 from typer.testing import CliRunner
 
 from cs3ray_cli.main import app
+
+from conftest import ROOT, TRAINED_STEPS, run_cs3
 
 
 def _events(run_dir):

@@ -16,6 +16,7 @@ from cs3ray.data.cache.disk import DiskTier
 from cs3ray.data.cache.memory import MemoryTier
 from cs3ray.data.cache.policy import Entry
 from cs3ray.storage import open_url
+
 from helpers.shard_sets import make_shard_set
 
 
@@ -31,7 +32,7 @@ def test_policies_choose_victims():
 @pytest.mark.parametrize("policy", [LRU(), NoEvict()])
 def test_memory_tier_never_exceeds_its_bound(policy):
     tier, rng = MemoryTier(1000, policy), random.Random(0)
-    for i in range(500):
+    for _ in range(500):
         key = f"k{rng.randrange(40)}"
         if tier.get(key) is None:
             tier.put(key, b"x" * rng.randrange(1, 400))

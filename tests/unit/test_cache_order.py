@@ -11,6 +11,7 @@ from cs3ray.data.corpus import DataError
 from cs3ray.data.shards import decode_tokens
 from cs3ray.data.stream import GlobalOrder, TrainStream, decode_shard
 from cs3ray.storage import open_url
+
 from helpers.shard_sets import make_shard_set
 
 
@@ -68,13 +69,13 @@ def test_batches_hold_the_samples_of_the_order(tmp_path):
     src, manifest = make_shard_set(tmp_path / "l3", n_shards=3)
     shards = open_url(src)
     rows = {}
-    for i, e in enumerate(manifest["splits"]["train"]):
+    for e in manifest["splits"]["train"]:
         import io
 
         import pyarrow.parquet as pq
 
         col = pq.read_table(io.BytesIO(shards.read_bytes(e["file"]))).column("tokens").to_pylist()
-        for r, t in enumerate(decode_tokens(col)):
+        for t in decode_tokens(col):
             rows[len(rows)] = t
         assert np.array_equal(decode_shard(shards.read_bytes(e["file"])), decode_tokens(col))
     s = TrainStream(5, 3, None, shards_url=src, cache={"disk_dir": str(tmp_path / "l2")}, rank=1, world=2)

@@ -9,12 +9,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers.ckpt_runs import load, save, small_model
 
 from cs3ray import direct_io
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.ckpt.staging import Stager
 from cs3ray.storage import open_url
+
+from helpers.ckpt_runs import load, save, small_model
 
 
 def _state(seed: int) -> dict:

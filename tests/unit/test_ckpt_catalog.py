@@ -1,9 +1,10 @@
 """cs3ray.ckpt.catalog in process (no CLI, no Ray): RUN/STEP targets, listing, the verify sweep."""
 
 import pytest
-from helpers.ckpt_runs import newest_only_chunk, save, small_model
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, list_checkpoints, resolve_target, verify_checkpoints
+
+from helpers.ckpt_runs import newest_only_chunk, save, small_model
 
 
 @pytest.fixture(scope="module")

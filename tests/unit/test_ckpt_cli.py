@@ -3,10 +3,11 @@
 import json
 
 import torch
-from helpers.ckpt_runs import save, small_model
 from typer.testing import CliRunner
 
 from cs3ray.ckpt import CheckpointManager
+
+from helpers.ckpt_runs import save, small_model
 
 
 def test_export_and_cli(tmp_path):

@@ -6,13 +6,14 @@ import logging
 
 import pytest
 import torch
-from helpers.ckpt_runs import flip_byte, load, newest_only_chunk, same, save, small_model
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, list_steps, load_for_inference, open_checkpoint, verify
 from cs3ray.ckpt.export import consolidated_model
 from cs3ray.ckpt.finetune import load_init_weights
 from cs3ray.ckpt.locations import StorageLocation
 from cs3ray.storage import open_url
+
+from helpers.ckpt_runs import flip_byte, load, newest_only_chunk, same, save, small_model
 
 
 def warnings(caplog) -> list[str]:

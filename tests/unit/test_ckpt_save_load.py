@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers.ckpt_runs import load, same, save, small_model
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, list_steps, load_for_inference, read_manifest
 from cs3ray.ckpt.chunks import ChunkStore
 from cs3ray.ckpt.locations import StorageLocation
 from cs3ray.storage import open_url
+
+from helpers.ckpt_runs import load, same, save, small_model
 
 
 def test_save_load_keep_and_layout(tmp_path):

@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.serve_checkpoints import make_checkpoint
-from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
-from helpers.untrusted import OpenForWrite, Touch, crafted_metadata, plant, write_target_module
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -26,6 +23,10 @@ from cs3ray.errors import UserError
 from cs3ray.models import ByteTokenizer, Transformer
 from cs3ray.serve.deploy import make_spec
 from cs3ray.storage import open_url
+
+from helpers.serve_checkpoints import make_checkpoint
+from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
+from helpers.untrusted import OpenForWrite, Touch, crafted_metadata, plant, write_target_module
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.core import global_batches, run_distributed
 
 from cs3ray.core.compress import CompressedAllReduce, CompressionHook, error_bound, make_codec, ring_bytes
+
+from helpers.core import global_batches, run_distributed
 
 WORLD = 2
 N = 5003  # odd: the chunks are padded

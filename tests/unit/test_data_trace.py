@@ -7,6 +7,7 @@ import numpy as np
 from cs3ray.data.stream import GlobalOrder, TrainStream
 from cs3ray.data.trace import audit, read_trace
 from cs3ray.storage import open_url
+
 from helpers.shard_sets import make_shard_set
 
 

@@ -7,9 +7,10 @@ import re
 
 import pytest
 import typer.main
-from conftest import ROOT
 
 from cs3ray_cli.main import app
+
+from conftest import ROOT
 
 
 def job_options(name: str, capsys) -> set[str]:

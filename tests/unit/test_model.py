@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from cs3ray.models import PRESETS, ByteTokenizer, KVCache, ModelArgs, Transformer, param_count, train_flops_per_token
-from cs3ray.models.transformer import rope_tables
 from cs3ray.models.generate import SamplingParams, generate_ids, sample_next
+from cs3ray.models.transformer import rope_tables
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=264, max_seq_len=64)
 

@@ -13,6 +13,7 @@ from cs3ray.config import load_config
 from cs3ray.models import Transformer
 from cs3ray_cli import generate_cmd
 from cs3ray_cli.main import app
+
 from helpers.serve_checkpoints import ROOT, make_checkpoint
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

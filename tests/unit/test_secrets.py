@@ -14,8 +14,15 @@ import yaml
 from typer.testing import CliRunner
 
 from cs3ray.ckpt import CheckpointManager
-from cs3ray.config import (ConfigError, build_config, config_hash, load_config, redact_options,
-                           runtime_storage_options, to_yaml)
+from cs3ray.config import (
+    ConfigError,
+    build_config,
+    config_hash,
+    load_config,
+    redact_options,
+    runtime_storage_options,
+    to_yaml,
+)
 from cs3ray_cli.main import app
 
 SECRET = "cs3-unit-secret-7f3a9c"

@@ -6,8 +6,7 @@ import pytest
 
 from cs3ray.models import ByteTokenizer
 from cs3ray.serve.auth import check_bearer
-from cs3ray.serve.schemas import (APIError, ChatMessage, ChatRequest, CompletionRequest, chat_prompt, parse,
-                                  prompt_ids)
+from cs3ray.serve.schemas import APIError, ChatMessage, ChatRequest, CompletionRequest, chat_prompt, parse, prompt_ids
 
 
 def bad(model, payload, param=None):

@@ -7,8 +7,6 @@ import os
 import re
 
 import pytest
-from conftest import ROOT
-from helpers.serve_checkpoints import make_checkpoint
 
 from cs3ray.config.schema import ServeConfig
 from cs3ray.errors import UserError
@@ -17,6 +15,9 @@ from cs3ray.serve.deploy import build_app, check_exposure, make_spec
 from cs3ray.serve.launch import cluster_cpus, run_app
 from cs3ray.serve.spec import ServeSpec
 from cs3ray.serve.tuning import replica_actor_options
+
+from conftest import ROOT
+from helpers.serve_checkpoints import make_checkpoint
 
 
 def deployment_config(app):

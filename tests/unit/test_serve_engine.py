@@ -104,7 +104,7 @@ def test_greedy_is_identical_alone_and_in_a_full_batch_fp32():
     batched = run(Engine(m, EOS, EngineOptions(max_batch=8)), [GenRequest(p, GREEDY) for p in ps])
     assert [text(e) for e in batched] == [text(e) for e in alone]
     # ... and both equal plain generation with the model's own KV cache.
-    for p, evs in zip(ps, alone):
+    for p, evs in zip(ps, alone, strict=True):
         ref = generate_ids(m, p, GREEDY, stop_ids=(EOS,))
         assert text(evs) == bytes(t for t in ref if t < 256).decode("utf-8", errors="replace")
         assert evs[-1].completion_tokens == len(ref) and evs[-1].prompt_tokens == len(p)
@@ -148,7 +148,7 @@ def test_sequences_join_and_leave_between_steps_and_queue_when_slots_are_full():
     engine = Engine(m, EOS, EngineOptions(max_batch=3))
     lengths = [2, 9, 4, 6, 3]
     reqs = [GenRequest(p, SamplingParams(temperature=0.0, max_tokens=n), ignore_eos=True)
-            for p, n in zip(prompts(5), lengths)]
+            for p, n in zip(prompts(5), lengths, strict=True)]
     seen_running = []
     for r in reqs:
         engine.submit(r)

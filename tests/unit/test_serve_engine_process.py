@@ -7,12 +7,12 @@ import threading
 import time
 
 import pytest
+from test_serve_engine import EOS, GREEDY, model, prompts, run, text
 
 from cs3ray.models.generate import SamplingParams
 from cs3ray.serve.engine import Engine, EngineOptions, QueueFull
 from cs3ray.serve.engine_process import EngineProcess
 from cs3ray.serve.sequence import Event, GenRequest
-from test_serve_engine import EOS, GREEDY, model, prompts, run, text
 
 
 class Collector:

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from helpers.serve_checkpoints import make_checkpoint
 from safetensors import safe_open
 from test_tokenizer import TEXT, write_corpus
 from typer.testing import CliRunner
@@ -33,6 +32,8 @@ from cs3ray.serve.sequence import GenRequest
 from cs3ray.storage import open_url
 from cs3ray.train.driver import check_tokenizer
 from cs3ray_cli.main import app
+
+from helpers.serve_checkpoints import make_checkpoint
 
 SPEC = ShardSpec(seq_len=32, samples_per_shard=50, val_fraction=0.1, max_bytes=1_000_000, seed=0)
 
