@@ -396,8 +396,10 @@ def gone(base: str, seconds: float) -> bool:
 
 def test_cli_detach_outlives_the_cli_times_out_with_408_and_stops(ray_head, http_port, tmp_path):
     run = tmp_path / "run"
-    # The checkpoint's serve section carries a short per-request timeout for this app.
-    make_checkpoint(run, step=5, overrides=["serve.request_timeout_s=0.5"])
+    # The checkpoint's serve section carries a short per-request timeout for this app. A wider model
+    # than tiny's: its 254-token stream must outlast 0.5 s on any host (tiny's finishes sooner on a quiet one).
+    make_checkpoint(run, step=5, overrides=["serve.request_timeout_s=0.5", "model.dim=512", "model.n_layers=8",
+                                            "model.n_heads=8", "model.ffn_dim=2048"])
     where = ["--name", "detach-test", "--address", ray_head.address]
     up = run_cs3(["serve", str(run), "--detach", "--port", str(http_port), "--dtype", "fp32", "--max-batch", "1",
                   *where], env=ray_head.env(), timeout=180)
