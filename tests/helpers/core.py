@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cs3ray.config import load_config
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.core.state import local_optimizer
+
+from helpers.ranks import spawn_ranks
 
 MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=64", "model.max_seq_len=32",
          "train.seq_len=16", "train.clip=1.0", "train.lr=1e-2", "train.warmup_steps=0"]
@@ -89,17 +90,7 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
 def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dict]:
     """Run several (name, overrides[, run_core options]) jobs one after another in `world` processes;
     rank 0's and rank 1's results."""
-    from cs3ray.ops.ports import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, jobs, batches, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = spawn_ranks(_entry, world, jobs, batches)
     for r in results.values():
         if "error" in r:
             raise AssertionError(r["error"])

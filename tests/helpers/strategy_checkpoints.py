@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import os
-import queue
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.models import ByteTokenizer
-from cs3ray.ops.ports import free_port
 
 from helpers.core import MODEL, global_batches
+from helpers.ranks import spawn_ranks
 
 STRATEGIES = {"ddp": ["parallel.strategy=ddp"], "zero1": ["parallel.strategy=zero1"],
               "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.tp=2"]}
@@ -51,23 +48,6 @@ def _entry(rank: int, world: int, port: int, root: str, out) -> None:
 
 def save_and_load_every_strategy(root: str, world: int = 2) -> None:
     """A checkpoint of every strategy under root/<strategy>, each saved and loaded back by 2 ranks."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, root, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    deadline = time.monotonic() + 300
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            results.append(out.get(timeout=1))
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):  # died before reporting
-                break
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    errors = [err for _, err in results if err]
-    assert not errors and len(results) == world, errors[0] if errors else f"exit codes {[p.exitcode for p in procs]}"
+    results = spawn_ranks(_entry, world, root)
+    errors = [err for err in results.values() if err]
+    assert not errors, errors[0]

@@ -9,11 +9,11 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cs3ray.core.compress import CompressedAllReduce, CompressionHook, error_bound, make_codec, ring_bytes
 
 from helpers.core import global_batches, run_distributed
+from helpers.ranks import spawn_ranks
 
 WORLD = 2
 N = 5003  # odd: the chunks are padded
@@ -24,10 +24,10 @@ def _inputs(rank: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * torch.logspace(-3, 1, N)
 
 
-def _collective(rank: int, port: int, out) -> None:
+def _collective(rank: int, world: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
         x = _inputs(rank)
@@ -56,17 +56,7 @@ def _collective(rank: int, port: int, out) -> None:
 
 @pytest.fixture(scope="module")
 def reduced():
-    from cs3ray.ops.ports import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_collective, args=(r, port, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results = spawn_ranks(_collective, WORLD, timeout=120)
     for r in results.values():
         assert "error" not in r, r["error"]
     return results
