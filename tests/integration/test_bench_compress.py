@@ -3,14 +3,17 @@
 import json
 import math
 
+import pytest
+
 from cs3ray.bench import compress
 from cs3ray.bench.report import measured
 
 FIELDS = {"final_loss", "loss_delta_pct", "wire_ratio", "overlap_fraction", "state_bytes_per_worker"}
 
 
-def test_quick_run_measures_every_codec_and_its_peers():
-    r = measured("compress", compress.run, quick=True, overrides=("precision=fp32",), log=lambda _line: None)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_quick_run_measures_every_codec_and_its_peers(precision):
+    r = measured("compress", compress.run, quick=True, overrides=(f"precision={precision}",), log=lambda _line: None)
     json.dumps(r)  # the --json line
     ddp, fsdp = r["codecs"], r["fsdp"]["codecs"]
     assert set(ddp) == set(compress.DDP_CODECS) and set(fsdp) == set(compress.FSDP_CODECS)
