@@ -80,6 +80,20 @@ class DataConfig(Section):
     samples_per_shard: int = Field(2048, ge=16, description="Samples (seq_len+1 tokens each) per parquet shard.")
     cache_dir: str = Field(".cs3/shards", description="Where prepared shards are cached, keyed by the source's hash.")
     seed: int = Field(0, description="Seed of the train/validation split.")
+    loader: Literal["direct", "ray_data"] = Field(
+        "direct", description="How each rank's exact slice of the global order reaches it: 'direct' (the worker "
+                              "reads it through the node's cache) or 'ray_data' (Ray Data tasks on the worker's "
+                              "node read, decode and transform it; the order and resume stay exact).")
+    transform: str | None = Field(
+        None, description="Your batch transform 'pkg.module:fn', called with {'tokens': (rows, seq_len+1) int64} "
+                          "and returning the same shape; runs in Ray Data tasks with data.loader=ray_data.")
+
+    @field_validator("transform")
+    @classmethod
+    def _transform_form(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+            raise ValueError("must look like 'package.module:function'")
+        return v
 
 
 class TrainConfig(Section):

@@ -29,7 +29,7 @@ import io
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -40,6 +40,7 @@ from .cache import TieredCache, from_config
 from .corpus import DataError
 from .shards import TOKEN_COLUMN, read_manifest
 from .trace import TraceWriter
+from .transform import load_transform
 
 log = logging.getLogger(__name__)
 ORDER_VERSION = 1
@@ -113,6 +114,19 @@ def decode_shard(data: bytes) -> np.ndarray:
     return raw.view("<u2").reshape(len(col), width // 2)
 
 
+def gather(order: GlobalOrder, ids: np.ndarray, shard: Callable[[int], np.ndarray]) -> np.ndarray:
+    """The (len(ids), seq_len+1) int64 rows of sample `ids`, with `shard(s)` giving shard s's decoded rows."""
+    where, row = order.locate(ids)
+    batch = np.empty((len(ids), 0), dtype=np.int64)
+    for s in np.unique(where):
+        tokens = shard(int(s))
+        if batch.shape[1] == 0:
+            batch = np.empty((len(ids), tokens.shape[1]), dtype=np.int64)
+        mask = where == s
+        batch[mask] = tokens[row[mask]]
+    return batch
+
+
 def _ray_train_context() -> tuple[int, int, int, dict]:
     """(rank, world size, local rank, train loop config) inside a Ray Train worker, else (0, 1, 0, {})."""
     try:
@@ -142,7 +156,7 @@ class TrainStream:
     def __init__(self, batch_size: int, seed: int, position: dict[str, Any] | None = None, *,
                  shards_url: str | None = None, storage_options: dict | None = None,
                  cache: dict | Any | None = None, rank: int | None = None, world: int | None = None,
-                 trace_url: str | None = None) -> None:
+                 trace_url: str | None = None, transform: str | None = None) -> None:
         ctx_rank, ctx_world, local_rank, loop_cfg = _ray_train_context()
         job = loop_cfg.get("job") or {}
         shards_url = shards_url or loop_cfg.get("shards_url")
@@ -166,12 +180,18 @@ class TrainStream:
                             f"{self.world} workers x train.batch_size {batch_size}; use more data or smaller batches.")
         self.base = self._start(position)
         self.consumed = 0  # micro-batches this stream has produced
+        self.transform_spec = transform
+        self._trace = TraceWriter(open_url(trace_url, storage_options)) if trace_url else None
+        self._open(source, entries, cache_cfg, local_rank == 0)
+
+    def _open(self, source: Storage, entries: list[dict], cache_cfg: dict, first_on_node: bool) -> None:
+        """Set up where the rows come from: here, this process's own tiered cache."""
+        self.transform = load_transform(self.transform_spec)
         self.cache: TieredCache = from_config(source, entries, cache_cfg)
         self.ahead = int(cache_cfg.get("prefetch", 4))
         self._decoded: OrderedDict[int, np.ndarray] = OrderedDict()
         self._window_key: tuple[int, int] | None = None
-        self._trace = TraceWriter(open_url(trace_url, storage_options)) if trace_url else None
-        if cache_cfg.get("warm") and local_rank == 0:
+        if cache_cfg.get("warm") and first_on_node:
             self._warm()
 
     def _start(self, position: dict[str, Any] | None) -> int:
@@ -222,14 +242,9 @@ class TrainStream:
         ids = self.order.ids(start, start + self.batch_size)
         if self._trace is not None:
             self._trace.add(ids)
-        shard, row = self.order.locate(ids)
-        batch = np.empty((self.batch_size, 0), dtype=np.int64)
-        for s in np.unique(shard):
-            tokens = self._shard(int(s))
-            if batch.shape[1] == 0:
-                batch = np.empty((self.batch_size, tokens.shape[1]), dtype=np.int64)
-            mask = shard == s
-            batch[mask] = tokens[row[mask]]
+        batch = gather(self.order, ids, self._shard)
+        if self.transform is not None:
+            batch = self.transform(batch)
         self.consumed += 1
         self.cache.stats.add(wait_s=time.perf_counter() - t0)
         self.cache.writer.maybe_flush()

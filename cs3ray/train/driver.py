@@ -12,6 +12,7 @@ from typing import Any, Callable
 from cs3ray.ckpt import list_steps, resolve_checkpoint, step_dir
 from cs3ray.config import JobConfig, to_yaml
 from cs3ray.data import ShardSpec, ensure_shards
+from cs3ray.data.transform import load_transform
 from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
@@ -155,7 +156,6 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     """
     import ray
     from ray.train import FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from .loop import train_loop_per_worker
@@ -165,6 +165,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     torch_config = _torch_config(cfg)  # a missing torchft is reported before anything is written
     run = prepare_run_dir(cfg, resume, overwrite)
     check_tokenizer(cfg, run, resume)
+    load_transform(cfg.data.transform)  # one clear error now, not a failed task in every worker
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.
@@ -179,7 +180,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         # On the driver's own node: a monitor on a worker node would die with that node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         monitor = RunMonitor.options(scheduling_strategy=here).remote()
-        trainer = TorchTrainer(
+        trainer = _trainer_class()(
             train_loop_per_worker,
             train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards.url,
                                "monitor": monitor},
@@ -236,6 +237,29 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     summary = summarize(cfg, run, events, time.time() - started, resumed=resume)
     run.write_text(json.dumps(summary, indent=1), "summary.json")
     return summary
+
+
+def _trainer_class() -> type:
+    """TorchTrainer without Ray Train's placement-group cleaner actor.
+
+    Its liveness check takes a State API miss (frequent on a loaded machine, always without a
+    dashboard) for a dead controller and removes the placement group of a run still training, which
+    Ray Train then retries from the last checkpoint (ray PR 65447's review names the bug). The cleaner
+    exists for groups that outlive their driver; this driver owns its run's group until the end.
+    """
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:  # a Ray without the cleaner
+        return TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks()
+                    if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return Trainer
 
 
 def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None) -> list[dict]:

@@ -22,6 +22,7 @@ from cs3ray.core.optim import lr_factor
 from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
+from cs3ray.data.ray_stream import RayDataStream
 from cs3ray.data.shards import read_manifest, read_split, shard_tokenizer
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import train_flops_per_token
@@ -229,9 +230,7 @@ class Worker:
             self._event("eval", step=p.step, val_loss=p.val_loss)
         # Streams are keyed by data-parallel rank: the ranks of one tensor-parallel group read
         # the same samples, and the global order only depends on the data-parallel width.
-        self.stream = TrainStream(self.plan.micro_batch, t.seed, p.data_position, shards_url=self.shards_url,
-                                  storage_options=cfg.storage.options, cache=cfg.cache,
-                                  rank=self.topo.dp_rank, world=self.topo.dp)
+        self.stream = self._open_stream()
         next_batch = lambda: next(self.stream)  # noqa: E731
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
@@ -299,6 +298,17 @@ class Worker:
         self._event("end", memory=memory, comm=comm, **final)
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
+
+    def _open_stream(self) -> TrainStream:
+        """This rank's micro-batches, through the loader data.loader names (the same samples either way)."""
+        cfg, p = self.cfg, self.progress
+        args = dict(shards_url=self.shards_url, storage_options=cfg.storage.options, cache=cfg.cache,
+                    rank=self.topo.dp_rank, world=self.topo.dp, transform=cfg.data.transform)
+        if cfg.data.loader == "ray_data":
+            # Planned up to the last step; a redone step or a re-split continues in a new pipeline.
+            horizon = max(1, (cfg.train.steps - p.step) * self.plan.grad_accum)
+            return RayDataStream(self.plan.micro_batch, cfg.train.seed, p.data_position, horizon=horizon, **args)
+        return TrainStream(self.plan.micro_batch, cfg.train.seed, p.data_position, **args)
 
     def _join_step(self) -> tuple[int, int]:
         """Replicas: join this step's quorum and take its share of the global batch.
