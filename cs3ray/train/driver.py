@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -88,6 +89,14 @@ def check_tokenizer(cfg: JobConfig, run: Storage, resume: bool) -> None:
         check_same(tokenizer_from_json(text, f"'{folder.url}/tokenizer.json'"), tok, f"checkpoint '{folder.url}'")
 
 
+def _check_transform(spec: str | None) -> None:
+    """Import data.transform here first: one clear error now, not a failed task on every worker. Ray's workers
+    import from the driver's working directory, so this check does too (a console script's path lacks it)."""
+    if spec and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    load_transform(spec)
+
+
 def _scaling(cfg: JobConfig):
     from ray.train import ScalingConfig
 
@@ -165,7 +174,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     torch_config = _torch_config(cfg)  # a missing torchft is reported before anything is written
     run = prepare_run_dir(cfg, resume, overwrite)
     check_tokenizer(cfg, run, resume)
-    load_transform(cfg.data.transform)  # one clear error now, not a failed task in every worker
+    _check_transform(cfg.data.transform)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.

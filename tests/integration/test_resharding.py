@@ -1,4 +1,5 @@
-"""Resume across strategies and world sizes, end to end: fsdp x 2 workers -> ddp x 1 -> zero1 x 2.
+"""Resume across strategies, world sizes and loaders, end to end: fsdp x 2 workers (direct loader) -> ddp x 1
+(Ray Data loader, with a data.transform) -> zero1 x 2 (Ray Data).
 
 The loss continues where it stopped, and the samples trained on across the three runs are exactly
 the start of the global order, each once (the data position survives every resharding). The first
@@ -20,6 +21,7 @@ from cs3ray.data.shards import read_manifest
 from cs3ray.data.stream import GlobalOrder
 
 from conftest import ROOT, TRAINED_STEPS, run_cs3
+from helpers.transforms import PIDS
 
 BATCH = 8  # per worker, as in the first run: half of tiny.yaml's, for shorter steps
 FAST = ["train.log_every=2", "train.eval_every=100", "train.eval_batches=2", "checkpoint.every=100",
@@ -51,8 +53,11 @@ def test_fsdp_x2_then_ddp_x1_then_zero1_x2_continues_loss_and_data_order(ray_hea
     for k, v in ray_head.env().items():  # this process becomes a Ray client of the session's head
         if k.startswith("RAY_") and k != "RAY_ADDRESS":
             os.environ.setdefault(k, v)
+    # The first run read through the direct loader, the next two through Ray Data: the order is one.
+    ray_data = ["data.loader=ray_data", "data.transform=tests.helpers.transforms:record_pid"]
+    shutil.rmtree(PIDS, ignore_errors=True)
     middle = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={run_dir}", *FAST, f"train.steps={TRAINED_STEPS + 4}",
-                                                      "parallel.strategy=ddp", "cluster.workers=1"])
+                                                      "parallel.strategy=ddp", "cluster.workers=1", *ray_data])
     assert train(middle, resume=True, address=ray_head.address, quiet=True)["steps"] == TRAINED_STEPS + 4
     events = _events(run_dir)
     restored = [e for e in events if e["event"] == "restored"]
@@ -63,7 +68,7 @@ def test_fsdp_x2_then_ddp_x1_then_zero1_x2_continues_loss_and_data_order(ray_hea
     assert after < before + 0.3 and after < initial - 1.5
 
     third = run_cs3(["train", *common, f"train.steps={TRAINED_STEPS + 6}", "parallel.strategy=zero1",
-                     "cluster.workers=2", "--resume"], env=ray_head.env(), check=True)
+                     "cluster.workers=2", *ray_data, "--resume"], env=ray_head.env(), check=True)
     summary = json.loads(third.stdout.strip().splitlines()[-1])
     assert summary["steps"] == TRAINED_STEPS + 6 and summary["strategy"] == "zero1"
     restored = [e for e in _events(run_dir) if e["event"] == "restored"]
@@ -77,3 +82,7 @@ def test_fsdp_x2_then_ddp_x1_then_zero1_x2_continues_loss_and_data_order(ray_hea
     order = GlobalOrder(read_manifest(shards)["splits"]["train"], middle.train.seed, middle.cache.shuffle_window)
     assert collections.Counter(seen) == collections.Counter(order.ids(0, consumed).tolist())
     assert len(set(seen)) == consumed  # within one epoch: nothing repeated
+    # The transform ran in Ray Data's task processes, never in a training worker.
+    workers = {pid for e in _events(run_dir) if e["event"] == "start" for pid in e["pids"]}
+    ran = {int(p.name) for p in PIDS.iterdir()}
+    assert ran and not ran & workers
