@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from typing import Any, Callable
 from cs3ray.ckpt import list_steps, resolve_checkpoint, step_dir
 from cs3ray.config import JobConfig, to_yaml
 from cs3ray.data import ShardSpec, ensure_shards
+from cs3ray.data.dataset_stream import RESTART_WARNING, check_rows
 from cs3ray.data.transform import load_transform
 from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
@@ -20,6 +22,7 @@ from cs3ray.ops.cluster import default_num_cpus, ray_cluster
 from cs3ray.ops.metrics import EventLog
 from cs3ray.storage import Storage, StorageError, open_url
 
+log = logging.getLogger(__name__)
 EventSink = Callable[[dict[str, Any]], None]
 
 
@@ -97,6 +100,30 @@ def _check_transform(spec: str | None) -> None:
     load_transform(spec)
 
 
+def _check_dataset_config(cfg: JobConfig, resume: bool) -> None:
+    """What a run fed by the user's Ray Dataset cannot do, refused before anything starts."""
+    if cfg.cluster.fault_tolerance == "replicas":
+        raise UserError("cluster.fault_tolerance=replicas re-splits every step's samples by the global order, "
+                        "which a Ray Dataset has not: train on a shard set (data.source) or use fault_tolerance=none.")
+    if cfg.data.loader != "direct" or cfg.data.transform:
+        raise UserError("data.loader and data.transform apply to shard sets; with your own Ray Dataset, "
+                        "transform it with Ray Data (map_batches) before passing it.")
+    if resume:
+        log.warning("%s.", RESTART_WARNING)
+
+
+def _val_rows(cfg: JobConfig, ds: Any) -> Any:
+    """The validation rows every eval uses: the first eval_batches x batch_size rows of `ds`."""
+    n = cfg.train.eval_batches * cfg.train.batch_size
+    try:
+        batch = ds.take_batch(n, batch_format="numpy")
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"cannot take validation rows from the dataset: {exc}") from None
+    if "tokens" not in batch:
+        raise UserError(f"the dataset has no 'tokens' column (it has {', '.join(batch) or 'none'}).")
+    return check_rows(batch["tokens"], None, cfg.train.seq_len + 1, cfg.model.args().vocab_size, "the dataset")
+
+
 def _scaling(cfg: JobConfig):
     from ray.train import ScalingConfig
 
@@ -157,8 +184,13 @@ def _compression_summary(cfg: JobConfig, comm: list[dict[str, Any] | None] | Non
 
 def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address: str | None = None,
           on_event: EventSink | None = None, quiet: bool = False,
-          stop: threading.Event | None = None) -> dict[str, Any]:
+          stop: threading.Event | None = None, dataset: Any = None, val_dataset: Any = None) -> dict[str, Any]:
     """Run a training job end to end and return its summary (also written to summary.json).
+
+    `dataset`: your own `ray.data.Dataset` of token rows (a 'tokens' column of train.seq_len+1 ids) in
+    place of data.source's shard set, fed to the workers with Ray Train's `streaming_split`; a resume
+    or retry then starts its epoch over (cs3ray.data.dataset_stream). Validation uses the first rows
+    of `val_dataset`, or of `dataset` when none is given.
 
     The first SIGINT (or setting `stop`, from another thread) asks the workers to checkpoint
     and stop at the next step; a second SIGINT aborts without waiting.
@@ -175,6 +207,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     run = prepare_run_dir(cfg, resume, overwrite)
     check_tokenizer(cfg, run, resume)
     _check_transform(cfg.data.transform)
+    if dataset is not None:
+        _check_dataset_config(cfg, resume)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.
@@ -183,7 +217,10 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             from cs3ray.ckpt.keeper import start_keepers
 
             start_keepers()
-        shards, _ = prepare_data(cfg, on_event)
+        if dataset is None:
+            shards_url, val_rows = prepare_data(cfg, on_event)[0].url, None
+        else:
+            shards_url, val_rows = None, _val_rows(cfg, val_dataset if val_dataset is not None else dataset)
         run.write_text(to_yaml(cfg), "config.yaml")
         log = EventLog(run)
         # On the driver's own node: a monitor on a worker node would die with that node.
@@ -191,14 +228,15 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         monitor = RunMonitor.options(scheduling_strategy=here).remote()
         trainer = _trainer_class()(
             train_loop_per_worker,
-            train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards.url,
-                               "monitor": monitor},
+            train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards_url,
+                               "monitor": monitor, "val_rows": val_rows},
+            datasets={"train": dataset} if dataset is not None else None,
             scaling_config=_scaling(cfg),
             torch_config=torch_config,
             run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}",
                                  failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),
-            # No `datasets=`: workers read their exact slice of the global order through the
-            # node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
+            # Without a dataset of the user's, workers read their exact slice of the global order
+            # through the node-local cache themselves (see cs3ray.data.stream for why not get_dataset_shard).
         )
         # Ray Train reads this in the driver's environment and passes it to its controller.
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{cfg.cluster.start_timeout_s:g}"

@@ -22,10 +22,11 @@ from cs3ray.core.optim import lr_factor
 from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
+from cs3ray.data.dataset_stream import DatasetStream
 from cs3ray.data.ray_stream import RayDataStream
 from cs3ray.data.shards import read_manifest, read_split, shard_tokenizer
 from cs3ray.data.stream import TrainStream
-from cs3ray.models import train_flops_per_token
+from cs3ray.models import load_tokenizer, train_flops_per_token
 from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
@@ -75,7 +76,8 @@ def _worker_peak(dtype: torch.dtype, threads: int, device: str) -> float:
 class Worker:
     """One rank: builds the compute core, restores state, and runs steps, evals and checkpoints."""
 
-    def __init__(self, cfg: JobConfig, run_url: str, shards_url: str, monitor: Any) -> None:
+    def __init__(self, cfg: JobConfig, run_url: str, shards_url: str | None, monitor: Any,
+                 val_rows: np.ndarray | None = None) -> None:
         import ray
         import ray.train
         import ray.train.torch
@@ -101,7 +103,7 @@ class Worker:
         # Every rank builds it at the same point: async mode creates its own gloo group here.
         self.ckpt = CheckpointManager.from_config(run_url, cfg)
         self.progress = Progress()
-        self.stream: TrainStream | None = None
+        self.stream: TrainStream | DatasetStream | None = None
         # Keep the global batch whatever the number of workers (elastic resizes, retries).
         self.plan = plan_batch(cfg, self.topo.dp)
         self.core.grad_accum = self.plan.grad_accum
@@ -119,23 +121,25 @@ class Worker:
         if not restored_rng:
             torch.manual_seed(cfg.train.seed + 1000 * self.rank + self.progress.step)
         self.shards_url = shards_url
-        self.val = self._val_slice(shards_url)
-        # Checkpoints carry the tokenizer the shards were made with (on every node, unlike a local file).
-        shards = open_url(shards_url, cfg.storage.options)
-        self.tokenizer_json = shard_tokenizer(read_manifest(shards), shards.url).to_json()
+        if shards_url is None:  # a user's Ray Dataset: the driver took the validation rows from it
+            self.val = self._val_batches(val_rows)
+            self.tokenizer_json = load_tokenizer(cfg.data.tokenizer).to_json()
+        else:
+            shards = open_url(shards_url, cfg.storage.options)
+            self.val = self._val_batches(read_split(shards, read_manifest(shards), "val"))
+            # Checkpoints carry the tokenizer the shards were made with (on every node, unlike a local file).
+            self.tokenizer_json = shard_tokenizer(read_manifest(shards), shards.url).to_json()
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
         # MFU is against the peak of this worker's own device and thread count, measured here.
         self.peak_flops = _worker_peak(compute_dtype(self.core.precision), self.threads, self.device.type)
 
-    def _val_slice(self, shards_url: str) -> list[np.ndarray]:
+    def _val_batches(self, val: np.ndarray) -> list[np.ndarray]:
         """This data-parallel rank's share of the fixed validation batches (the same every eval).
 
         Every rank gets the same number of batches: FSDP and TP forwards are collectives, so
         an uneven split would leave one rank waiting forever for the others.
         """
-        shards = open_url(shards_url, self.cfg.storage.options)
-        val = read_split(shards, read_manifest(shards), "val")
         b, dp = self.cfg.train.batch_size, self.topo.dp
         per_rank = max(1, self.cfg.train.eval_batches // dp)
         rows = np.arange(b * per_rank * dp) % len(val)  # wrap around a validation split smaller than asked
@@ -299,9 +303,14 @@ class Worker:
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 
-    def _open_stream(self) -> TrainStream:
+    def _open_stream(self) -> TrainStream | DatasetStream:
         """This rank's micro-batches, through the loader data.loader names (the same samples either way)."""
         cfg, p = self.cfg, self.progress
+        if self.shards_url is None:
+            import ray.train
+
+            return DatasetStream(ray.train.get_dataset_shard("train"), self.plan.micro_batch, cfg.train.seq_len + 1,
+                                 cfg.model.args().vocab_size, p.data_position, world=self.topo.dp)
         args = dict(shards_url=self.shards_url, storage_options=cfg.storage.options, cache=cfg.cache,
                     rank=self.topo.dp_rank, world=self.topo.dp, transform=cfg.data.transform)
         if cfg.data.loader == "ray_data":
@@ -333,5 +342,5 @@ class Worker:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: `config` carries the job, the run URL and the monitor handle."""
     cfg = build_config(config["job"])
-    worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"))
+    worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"), config.get("val_rows"))
     worker.run()
