@@ -18,9 +18,10 @@ worker reads its own deterministic slice straight through the node-local tiered 
 (`cs3ray.data.cache`): shard bytes come from L1 (this process), L2 (the node's disk,
 shared with the node's other workers, fetched once per node) or L3 (the shards' URL), the
 next shards of the epoch order are prefetched in the background, and every byte is
-checked against the manifest. `train_dataset` still gives the driver a Ray Dataset whose
-read tasks go through the same node-local cache (a Ray Data datasource) for consumers that
-do not need an exact order; the training workers do not consume it.
+checked against the manifest. `data.loader: ray_data` delivers the same slice through Ray Data
+tasks on the worker's node (cs3ray.data.ray_stream). `train_dataset` gives the driver a Ray
+Dataset whose read tasks go through the same node-local cache (a Ray Data datasource) for
+consumers that do not need an exact order.
 """
 
 from __future__ import annotations
