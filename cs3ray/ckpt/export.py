@@ -57,8 +57,18 @@ def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict |
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in model.items()}, out, metadata=info)
+        tokenizer = None
     else:
         torch.save(model, out)  # a plain dict of tensors: torch.load(out, weights_only=True)
+        # A torch file has no metadata: the tokenizer goes beside it, so the export still decodes alone.
+        tokenizer = tokenizer_path(out)
+        with open(tokenizer, "wb") as f:
+            f.write(extra["tokenizer.json"])
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in model.values() if v.is_floating_point()})
     return {"path": out, "step": int(manifest["step"]), "tensors": len(model), "bytes": os.path.getsize(out),
-            "dtype": ",".join(dtypes)}
+            "dtype": ",".join(dtypes), **({"tokenizer": tokenizer} if tokenizer else {})}
+
+
+def tokenizer_path(out: str) -> str:
+    """Where a torch-format export's tokenizer goes: model-step10.pt -> model-step10.tokenizer.json."""
+    return os.path.splitext(out)[0] + ".tokenizer.json"

@@ -101,6 +101,9 @@ def test_a_bpe_checkpoint_loads_for_inference_and_generate_and_export_decode_wit
     with safe_open(info["path"], "pt") as f:
         exported = tokenizer_from_json(f.metadata()["tokenizer"])
     assert exported.encode(TEXT) == tok.encode(TEXT)
+    info = export(str(run), str(tmp_path / "model.pt"), "torch")  # no metadata: the tokenizer goes beside it
+    assert info["tokenizer"] == str(tmp_path / "model.tokenizer.json")
+    assert tokenizer_from_json((tmp_path / "model.tokenizer.json").read_text()).encode(TEXT) == tok.encode(TEXT)
     # A checkpoint written before BPE support (today's byte JSON) still loads with the byte tokenizer.
     make_checkpoint(tmp_path / "old", step=1)
     assert load_for_inference(str(tmp_path / "old")).tokenizer == ByteTokenizer()
