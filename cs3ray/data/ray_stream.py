@@ -17,6 +17,7 @@ bounded per rank instead.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -26,7 +27,9 @@ import numpy as np
 
 from cs3ray.storage import Storage
 
-from .cache import from_config, node_cache
+from .cache import CacheStats, from_config, node_cache
+from .cache.stats import StatsWriter
+from .cache.tiered import DEFAULT_DISK_DIR
 from .corpus import DataError
 from .stream import DEFAULT_WINDOW, GlobalOrder, TrainStream, decode_shard, gather
 from .transform import Transform, load_transform
@@ -136,7 +139,10 @@ class RayDataStream(TrainStream):
                                 transform=self.transform_spec)
         self.ahead = int(cache_cfg.get("prefetch", 4))
         self._batches: Iterator[dict] | None = None
-        self.wait_s = 0.0
+        # The time this worker waited for data, counted and written as the direct loader's is.
+        disk = cache_cfg.get("disk_dir", DEFAULT_DISK_DIR) if cache_cfg.get("disk_bytes", 1) > 0 else None
+        self.stats = CacheStats()
+        self.writer = StatsWriter(self.stats, os.path.abspath(os.path.expanduser(disk)) if disk else None)
         _transform(self.transform_spec)  # a transform that cannot be imported fails here, not in a task
         if cache_cfg.get("warm") and first_on_node:
             self.cache = from_config(source, entries, cache_cfg)
@@ -179,7 +185,8 @@ class RayDataStream(TrainStream):
         if self._trace is not None:
             self._trace.add(ids)
         self.consumed += 1
-        self.wait_s += time.perf_counter() - t0
+        self.stats.add(wait_s=time.perf_counter() - t0)
+        self.writer.maybe_flush()
         return np.asarray(got["tokens"], dtype=np.int64)
 
     def seek(self, samples: int, rank: int | None = None, world: int | None = None,
@@ -196,5 +203,6 @@ class RayDataStream(TrainStream):
             close()
 
     def close(self) -> None:
-        """Stop the pipeline (its tasks write their own cache counters)."""
+        """Stop the pipeline and write this worker's counters (the tasks write their own)."""
         self._stop()
+        self.writer.flush()

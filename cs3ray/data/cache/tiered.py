@@ -27,6 +27,7 @@ from .remote import RemoteTier
 from .stats import CacheStats, StatsWriter
 
 MAX_PREFETCHED = 32
+DEFAULT_DISK_DIR = "~/.cache/cs3ray/shards"
 
 
 def namespace(url: str) -> str:
@@ -38,7 +39,7 @@ class TieredCache:
     """Shard bytes by file name, for one shard set (its manifest entries give sizes and checksums)."""
 
     def __init__(self, source: Storage, entries: Iterable[dict], memory_bytes: int = 256 * 2**20,
-                 disk_bytes: int = 20 * 2**30, disk_dir: str | None = "~/.cache/cs3ray/shards",
+                 disk_bytes: int = 20 * 2**30, disk_dir: str | None = DEFAULT_DISK_DIR,
                  policy: str = "noevict", l1_policy: str | None = None, prefetch_threads: int = 4,
                  retry_deadline_s: float = 60.0) -> None:
         self.entries = {e["file"]: e for e in entries}
@@ -177,6 +178,6 @@ def node_cache(url: str, options: dict, entries: list[dict], cache_cfg: dict) ->
 def from_config(source: Storage, entries: list[dict], cfg: dict) -> TieredCache:
     """A TieredCache from a `cache` config section (as a dict)."""
     return TieredCache(source, entries, memory_bytes=cfg.get("memory_bytes", 256 * 2**20),
-                       disk_bytes=cfg.get("disk_bytes", 20 * 2**30), disk_dir=cfg.get("disk_dir", "~/.cache/cs3ray/shards"),
+                       disk_bytes=cfg.get("disk_bytes", 20 * 2**30), disk_dir=cfg.get("disk_dir", DEFAULT_DISK_DIR),
                        policy=cfg.get("policy", "noevict"), prefetch_threads=max(1, min(4, cfg.get("prefetch", 4))),
                        retry_deadline_s=cfg.get("retry_deadline_s", 60.0))
