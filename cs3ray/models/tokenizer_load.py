@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -42,6 +43,14 @@ def load_tokenizer(name: str) -> Tokenizer:
     if not path.is_file():
         raise TokenizerError(f"data.tokenizer '{name}' is neither 'byte' nor a tokenizer.json file or a folder "
                              f"holding one.")
+    stat = path.stat()
+    return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(name: str, mtime_ns: int, size: int) -> Tokenizer:
+    # Every config validation resolves data.tokenizer: parse a file once until it changes.
+    path = Path(name)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
