@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -48,6 +49,22 @@ def _tokenizer(text: str) -> Tokenizer:
     return tokenizer_from_json(text, "the preparation's tokenizer")
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Hugging Face tokenizers without its thread pool (of every core) inside: a task holds one CPU."""
+    # The library reads this on every call, while the pool's size is fixed once a process has used it:
+    # so it holds in a reused worker too, and the worker gets its setting back for whatever runs next.
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
 def _tokenize_files(batch: pa.Table, corpus: Corpus, tok_json: str) -> pa.Table:
     """Ray Data task: each corpus file -> its documents' character counts, token counts and tokens."""
     tok = _tokenizer(tok_json)
@@ -60,7 +77,9 @@ def _tokenize_files(batch: pa.Table, corpus: Corpus, tok_json: str) -> pa.Table:
             error = str(exc)
         except (OSError, pa.ArrowException) as exc:
             error = f"cannot read corpus file '{path}': {exc}"
-        docs = [d for s in range(0, len(texts), BPE_BATCH) for d in encode_documents(texts[s:s + BPE_BATCH], tok)]
+        with _one_thread():
+            docs = [d for s in range(0, len(texts), BPE_BATCH)
+                    for d in encode_documents(texts[s:s + BPE_BATCH], tok)]
         rows["file"].append(i)
         rows["chars"].append(np.array([len(t) for t in texts], dtype=np.int64).tobytes())
         rows["lengths"].append(np.array([len(d) for d in docs], dtype=np.int64).tobytes())
@@ -134,6 +153,7 @@ def _token_stream(corpus: Corpus, tok: Tokenizer, max_bytes: int, progress: Call
     ds = ray.data.from_items(items, override_num_blocks=min(len(items), BLOCKS_PER_TASK * parallelism))
     ds = ds.map_batches(_tokenize_files, batch_size=None, batch_format="pyarrow",
                         fn_kwargs={"corpus": dataclasses.replace(corpus, files=[]), "tok_json": tok.to_json()},
+                        num_cpus=1,  # the one thread its tokenizer uses (`_one_thread`)
                         **_placement(_is_local(corpus.storage), parallelism))
     parts: list[np.ndarray] = []
     produced = 0

@@ -1,10 +1,15 @@
 """`cs3 data prepare` as a Ray Data pipeline: byte-identical to the single-process preparation at any
-parallelism, a re-run leaves verified shards alone, S3 in and out, and a bad source is one line."""
+parallelism and on two nodes (both doing work), a re-run leaves verified shards alone, S3 in and out,
+one tokenizer thread per task, and a bad source or an unreachable cluster is one line."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -17,8 +22,12 @@ from cs3ray.storage import open_url
 from cs3ray.train.driver import prepare_data
 from cs3ray_cli.main import app
 
+from conftest import run_cs3
+
 # max_bytes cuts the corpus mid-way, so the cut-off document must be the same one on both paths.
 SPEC = ShardSpec(seq_len=16, samples_per_shard=16, val_fraction=0.1, max_bytes=14_000, seed=3)
+SPEC_ARGS = ["--seq-len", "16", "--samples-per-shard", "16", "--val-fraction", "0.1", "--max-bytes", "14000",
+             "--seed", "3"]
 
 
 def _corpus(root) -> str:
@@ -38,6 +47,13 @@ def _corpus(root) -> str:
 
 def _files(path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _s3_args(endpoint: str) -> list[str]:
+    """`storage.options` overrides that reach the moto server."""
+    return [f"storage.options.{k}={v}" for k, v in (("key", "testing"), ("secret", "testing"),
+                                                    ("client_kwargs.endpoint_url", endpoint),
+                                                    ("client_kwargs.region_name", "us-east-1"))]
 
 
 def test_ray_pipeline_is_byte_identical_at_any_parallelism_and_skips_on_rerun(ray_client, tmp_path):
@@ -91,12 +107,8 @@ def test_cli_prepares_s3_to_s3(ray_client, ray_head, s3_server, tmp_path):
     src = _corpus(tmp_path)
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
     fs.put(src, "cs3/prep-src", recursive=True)
-    creds = [f"storage.options.{k}={v}" for k, v in (("key", "testing"), ("secret", "testing"),
-                                                     ("client_kwargs.endpoint_url", endpoint),
-                                                     ("client_kwargs.region_name", "us-east-1"))]
-    args = ["--seq-len", "16", "--samples-per-shard", "16", "--val-fraction", "0.1", "--max-bytes", "14000",
-            "--seed", "3", "--parallelism", "2", "--address", ray_head.address, "--json"]
-    res = CliRunner().invoke(app, ["data", "prepare", "s3://cs3/prep-src", "s3://cs3/prep-out", *args, *creds])
+    args = [*SPEC_ARGS, "--parallelism", "2", "--address", ray_head.address, "--json", *_s3_args(endpoint)]
+    res = CliRunner().invoke(app, ["data", "prepare", "s3://cs3/prep-src", "s3://cs3/prep-out", *args])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["shards_kept"] == 0
@@ -104,6 +116,106 @@ def test_cli_prepares_s3_to_s3(ray_client, ray_head, s3_server, tmp_path):
     local = json.loads((tmp_path / "local" / "manifest.json").read_text())
     remote = json.loads(fs.cat_file("cs3/prep-out/manifest.json"))
     assert remote["splits"] == local["splits"] and remote["tokens"] == local["tokens"] == summary["tokens"]
+
+
+# Threads of a fresh process: before any encoding, after encoding inside `_one_thread`, and after encoding
+# outside it (when the tokenizer's pool starts).
+_THREADS = """
+import os, sys
+from cs3ray.data.prepare import _one_thread
+from cs3ray.models import tokenizer_from_json
+tok = tokenizer_from_json(open(sys.argv[1]).read(), "tokenizer.json")
+texts = ["ray data shard token packing order " * 20] * 64
+counts = [len(os.listdir("/proc/self/task"))]
+with _one_thread():
+    tok.encode_batch(texts)
+counts.append(len(os.listdir("/proc/self/task")))
+assert os.environ.get("TOKENIZERS_PARALLELISM") is None
+tok.encode_batch(texts)
+print(*counts, len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_tokenize_tasks_start_no_tokenizer_threads(tmp_path):
+    # A task holds one CPU: its tokenizer must not start a pool of every core. Only a fresh process shows
+    # it, as a pool once started stays (this one's may have started in another test).
+    (tmp_path / "tok.json").write_text(train_bpe(["ray data shard token packing order"] * 50, 300).to_json())
+    proc = subprocess.run([sys.executable, "-c", _THREADS, str(tmp_path / "tok.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, inside, after = map(int, proc.stdout.split())
+    assert inside == before < after
+
+
+def test_cli_unreachable_cluster_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = run_cs3(["data", "prepare", _corpus(tmp_path), str(tmp_path / "out"), "--address", "127.0.0.1:1"],
+                   env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two simulated nodes of one CPU each: two tasks at once cannot both run on one node."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    for node in [*cluster.worker_nodes, cluster.head_node]:  # SIGKILL: a graceful stop is slow, and not needed
+        cluster.remove_node(node, allow_graceful=False)
+    cluster.shutdown()
+
+
+def _stage_nodes(dashboard: str) -> dict[str, set[str]]:
+    """The nodes each stage's tasks ran on, as the cluster's state API (its dashboard) recorded them."""
+    from ray.util.state import list_tasks
+
+    # The dashboard's URL, not the GCS address: resolving that would point this process' internal KV
+    # client at the other cluster.
+    address = dashboard if "://" in dashboard else f"http://{dashboard}"
+    stages = ("MapBatches(_tokenize_files)", "MapBatches(_write_shards_task)")
+    return {stage: {t.node_id for t in list_tasks(address=address, filters=[("name", "=", stage)], detail=True,
+                                                  limit=1000, raise_on_missing_output=False) if t.node_id}
+            for stage in stages}
+
+
+@pytest.mark.slow
+def test_cli_on_two_nodes_shares_the_work_and_writes_what_one_process_writes(two_nodes, s3_server, tmp_path,
+                                                                              monkeypatch):
+    # `cs3 data prepare --address` as a user runs it, in its own process (this one may be connected to the
+    # session's head): URLs are read and written from both nodes.
+    import s3fs
+
+    endpoint, options = s3_server
+    src = _corpus(tmp_path)
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.put(src, "cs3/two-src", recursive=True)
+    tok = train_bpe((p.read_text() for p in (tmp_path / "src").glob("a*.txt")), 300)
+    (tmp_path / "tok.json").write_text(tok.to_json())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = run_cs3(["data", "prepare", "s3://cs3/two-src", "s3://cs3/two-out", *SPEC_ARGS, "--tokenizer",
+                    str(tmp_path / "tok.json"), "--address", two_nodes.address, "--json", *_s3_args(endpoint)],
+                   env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["shards_kept"] == 0
+    nodes = {n["NodeID"] for n in two_nodes.global_state.node_table()}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the state API would ask the session's head instead
+    deadline = time.time() + 20  # task events reach the state API about once a second
+    ran_on = _stage_nodes(two_nodes.webui_url)
+    while any(ran != nodes for ran in ran_on.values()) and time.time() < deadline:
+        time.sleep(0.5)
+        ran_on = _stage_nodes(two_nodes.webui_url)
+    assert len(nodes) == 2 and all(ran == nodes for ran in ran_on.values()), ran_on
+    # The same corpus (so the same source in the manifest), prepared in this process one file after another.
+    prepare_shards(open_corpus("s3://cs3/two-src", options=options), open_url(str(tmp_path / "single")), SPEC,
+                   tokenizer=tok)
+    assert {n.rsplit("/", 1)[-1]: fs.cat_file(n) for n in fs.ls("cs3/two-out", refresh=True)} == \
+        _files(tmp_path / "single")
 
 
 def test_cli_bad_source_is_one_line(tmp_path):
