@@ -93,6 +93,10 @@ class DatasetStream:
     def trace_step(self, step: int, write: bool = True) -> None:
         """Rows of a user's dataset carry no sample ids: nothing to trace."""
 
+    def cache_counters(self) -> dict[str, Any] | None:
+        """None: a user's dataset is not read through the shard cache."""
+        return None
+
     def close(self) -> None:
         batches, self._batches = self._batches, None
         close = getattr(batches, "close", None)

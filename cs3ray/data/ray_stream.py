@@ -202,6 +202,10 @@ class RayDataStream(TrainStream):
         if close is not None:
             close()
 
+    def cache_counters(self) -> dict[str, Any] | None:
+        """None: the cache is read in Ray Data tasks, which count for themselves."""
+        return None
+
     def close(self) -> None:
         """Stop the pipeline and write this worker's counters (the tasks write their own)."""
         self._stop()

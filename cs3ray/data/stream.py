@@ -282,6 +282,10 @@ class TrainStream:
         if self._trace is not None:
             self._trace.step(step, self.rank, self.world, write)
 
+    def cache_counters(self) -> dict[str, Any] | None:
+        """This process's cache counters so far (progress events carry them, for `cs3 report`)."""
+        return self.cache.stats.to_dict()
+
     def close(self) -> None:
         """Stop prefetching and write the cache counters."""
         self.cache.close()

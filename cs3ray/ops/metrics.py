@@ -53,7 +53,9 @@ class TrainGauges:
         tags = {"run": run_name}
         names = {"loss": "training loss", "val_loss": "validation loss", "tokens_per_s": "global tokens per second",
                  "step_time_s": "seconds per optimizer step", "step": "optimizer step", "lr": "learning rate",
-                 "mfu": "model FLOPs utilisation (0-1)"}
+                 "mfu": "model FLOPs utilisation (0-1)",
+                 "comm_bytes_per_step": "gradient bytes a rank sent per step (compressed sync only)",
+                 "wire_ratio": "gradient bytes sent / an fp32 ring all-reduce's (compressed sync only)"}
         self._gauges = {}
         for key, desc in names.items():
             g = Gauge(f"cs3_train_{key}", description=desc, tag_keys=("run",))

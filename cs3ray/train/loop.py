@@ -104,6 +104,7 @@ class Worker:
         self.ckpt = CheckpointManager.from_config(run_url, cfg)
         self.progress = Progress()
         self.stream: TrainStream | DatasetStream | None = None
+        self._comm_sent = 0  # gradient bytes sent as of the last progress report
         # Keep the global batch whatever the number of workers (elastic resizes, retries).
         self.plan = plan_batch(cfg, self.topo.dp)
         self.core.grad_accum = self.plan.grad_accum
@@ -273,9 +274,11 @@ class Worker:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
                 self._event("progress", step=p.step, loss=loss_sum / participants, step_time_s=step_time,
+                            **self._comm_window(window_steps),
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
-                            loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked)
+                            loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
+                            cache=self.stream.cache_counters())
                 window_t, window_steps, tracked = time.perf_counter(), 0, False
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
@@ -318,6 +321,15 @@ class Worker:
             horizon = max(1, (cfg.train.steps - p.step) * self.plan.grad_accum)
             return RayDataStream(self.plan.micro_batch, cfg.train.seed, p.data_position, horizon=horizon, **args)
         return TrainStream(self.plan.micro_batch, cfg.train.seed, p.data_position, **args)
+
+    def _comm_window(self, steps: int) -> dict[str, Any]:
+        """Compressed runs: gradient bytes this rank sent per step since the last report, and the wire ratio."""
+        stats = self.core.comm_stats()
+        if not stats or not steps:
+            return {}
+        sent = stats["bytes_sent"]
+        per_step, self._comm_sent = (sent - self._comm_sent) / steps, sent
+        return {"comm_bytes_per_step": round(per_step), "wire_ratio": stats["wire_ratio"]}
 
     def _join_step(self) -> tuple[int, int]:
         """Replicas: join this step's quorum and take its share of the global batch.

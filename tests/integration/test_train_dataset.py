@@ -4,6 +4,7 @@ combinations that need the global order are one clear error."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -33,13 +34,21 @@ def _cfg(run_dir, *extra):
         "precision=fp32", *extra])
 
 
-def test_a_users_dataset_trains_on_two_workers(ray_client, ray_head, tmp_path):
+def test_a_users_dataset_trains_on_two_workers_with_int8_gradients(ray_client, ray_head, tmp_path):
     from cs3ray.train import train
 
-    summary = train(_cfg(tmp_path / "byo", "train.steps=6"), dataset=_dataset(ray_client), address=ray_head.address,
-                    quiet=True)
+    run_dir = tmp_path / "byo"
+    summary = train(_cfg(run_dir, "train.steps=6", "compression.codec=int8", "compression.warmup_steps=0"),
+                    dataset=_dataset(ray_client), address=ray_head.address, quiet=True)
     assert summary["steps"] == 6 and summary["workers"] == 2
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5  # it learns from the rows it is given
+    # Compressed sync: the bytes a rank sent each step, reported as it trains and in the summary.
+    progress = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+                if '"progress"' in line]
+    assert len(progress) == 3 and all(0 < e["wire_ratio"] < 0.3 and e["comm_bytes_per_step"] > 0 for e in progress)
+    per_step = summary["compression"]["bytes_per_step_per_rank"]
+    assert summary["compression"]["codec"] == "int8" and progress[-1]["comm_bytes_per_step"] == pytest.approx(per_step,
+                                                                                                              rel=0.01)
 
 
 def test_a_resumed_dataset_stream_says_its_epoch_starts_over_and_epochs_follow_one_another(ray_client, caplog):
