@@ -18,19 +18,13 @@ import time
 import pytest
 
 from conftest import ROOT
+from helpers.cluster import simulated_nodes
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    node_b = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster, cluster.head_node, node_b
-    for node in [*cluster.worker_nodes, cluster.head_node]:  # SIGKILL: graceful stops take ~30 s here
-        cluster.remove_node(node, allow_graceful=False)
-    cluster.shutdown()
+    with simulated_nodes(2, num_cpus=1) as cluster:
+        yield cluster, cluster.head_node, next(iter(cluster.worker_nodes))
 
 
 def _scenario(phase: str, cluster, run, node) -> dict:

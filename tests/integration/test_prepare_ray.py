@@ -23,6 +23,7 @@ from cs3ray.train.driver import prepare_data
 from cs3ray_cli.main import app
 
 from conftest import run_cs3
+from helpers.cluster import simulated_nodes
 
 # max_bytes cuts the corpus mid-way, so the cut-off document must be the same one on both paths.
 SPEC = ShardSpec(seq_len=16, samples_per_shard=16, val_fraction=0.1, max_bytes=14_000, seed=3)
@@ -160,15 +161,8 @@ def test_cli_unreachable_cluster_is_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def two_nodes():
     """Two simulated nodes of one CPU each: two tasks at once cannot both run on one node."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster
-    for node in [*cluster.worker_nodes, cluster.head_node]:  # SIGKILL: a graceful stop is slow, and not needed
-        cluster.remove_node(node, allow_graceful=False)
-    cluster.shutdown()
+    with simulated_nodes(2, num_cpus=1) as cluster:
+        yield cluster
 
 
 def _stage_nodes(dashboard: str) -> dict[str, set[str]]:
