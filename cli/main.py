@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from . import bench_cmd, cache_cmd, ckpt_cmd, config_cmd, data_cmd
+from . import bench_cmd, cache_cmd, ckpt_cmd, config_cmd, data_cmd, jobs_cmd
 from .generate_cmd import generate
 from .serve_cmd import serve
 from .train_cmd import train_cmd
@@ -16,6 +16,8 @@ app = typer.Typer(help="cs3ray: elastic training and serving of PyTorch models o
 app.command("train")(train_cmd)
 app.command("generate")(generate)
 app.command("serve")(serve)
+app.command("submit")(jobs_cmd.submit)
+app.add_typer(jobs_cmd.app, name="jobs")
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")

@@ -17,14 +17,16 @@ class ClusterError(UserError):
     """The Ray cluster named by --address / RAY_ADDRESS cannot be reached."""
 
 
-def _enable_token_auth() -> None:
+def enable_token_auth() -> None:
+    """Use Ray token auth when a token is given or `ray start` left one on this machine, unless a mode is set."""
     # `ray start --head` in Ray 2.60 turns on token auth and writes the token here; a client on
     # the same machine can use it without the user exporting anything.
-    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+    given = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if "RAY_AUTH_MODE" not in os.environ and (given or (Path.home() / ".ray" / "auth_token").exists()):
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def _probe(address: str, timeout: float = 5.0) -> None:
+def probe(address: str, timeout: float = 5.0) -> None:
     """Fail fast on an address nothing listens at: Ray itself retries its GCS for minutes."""
     if address in ("auto", "local"):
         return
@@ -69,8 +71,8 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
         else:
-            _probe(address)
-            _enable_token_auth()
+            probe(address)
+            enable_token_auth()
             ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
