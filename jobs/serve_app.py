@@ -1,0 +1,44 @@
+"""Serve application builder for Serve config files: `import_path: jobs.serve_app:app`, with `args`
+as jobs/serve.py's options (KubeRay's RayService `serveConfigV2`, `serve deploy`, `serve run`).
+
+The repository root must be on the nodes' PYTHONPATH (deploy/Dockerfile sets it). Serve logs the
+args, so the API token comes from CS3_SERVE_TOKEN in the nodes' environment, never from args.
+"""
+
+# No `from __future__ import annotations`: Serve converts args to the model only when the
+# builder's annotation is the class itself, not a string.
+import os
+import sys
+
+from pydantic import BaseModel, ConfigDict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cs3ray.serve.deploy import build_app, make_spec  # noqa: E402
+
+
+class ServeAppArgs(BaseModel):
+    """The `args` of the application in a Serve config: jobs/serve.py's options, token excepted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str  # run directory, run name or checkpoint folder/URL
+    name: str | None = None  # model id clients send (default: the run's name); the app's own name is the config's
+    replicas: int | None = None
+    dtype: str | None = None
+    follow: bool = False
+    max_batch: int | None = None
+    storage_options: dict | None = None  # non-secret fsspec options; credentials from the nodes' environment
+    insecure: bool = False
+    trust_code: bool = False
+
+
+def app(args: ServeAppArgs):
+    """The cs3ray Serve application for `args`; refuses an open API unless args.insecure."""
+    # A Serve config's proxy listens on every interface of the node (KubeRay: of the pod), so
+    # the API needs a token as jobs/serve.py's default host does.
+    spec = make_spec(args.run, name=args.name, token=os.environ.get("CS3_SERVE_TOKEN"), follow=args.follow,
+                     host="0.0.0.0", insecure=args.insecure, trust_code=args.trust_code,
+                     overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
+                     storage_options=args.storage_options)
+    return build_app(spec)
