@@ -170,3 +170,12 @@ def test_two_processes_share_l2_and_fetch_each_shard_once(tmp_path):
     assert all(ok for ok, _ in results)
     assert sum(n for _, n in results) == len(entries)  # the lock made the node fetch each shard once
     assert not [n for n in os.listdir(tmp_path / "l2" / os.listdir(tmp_path / "l2")[0]) if disk_mod.TMP in n]
+
+
+def test_hit_rate_is_the_share_of_reads_that_needed_no_remote_fetch():
+    from cs3ray.data.cache import CacheStats
+
+    # Prefetch threads read L2 without an L1 miss of their own: the rate still stays within [0, 1].
+    assert CacheStats(l1_hits=4, l1_misses=0, l2_hits=8).hit_rate() == 1.0
+    assert CacheStats(l1_hits=2, l1_misses=2, l2_hits=1, l2_misses=1, l3_reads=1).hit_rate() == 0.75
+    assert CacheStats(l2_hits=0, l2_misses=4, l3_reads=4).hit_rate() == 0.0

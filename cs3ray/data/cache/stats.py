@@ -42,9 +42,10 @@ class CacheStats:
                 setattr(self, key, getattr(self, key) + value)
 
     def hit_rate(self) -> float:
-        """Share of reads served by L1 or L2."""
+        """Share of reads that needed no fetch from L3 (prefetch fetches count against it, as they were needed)."""
         reads = self.l1_hits + self.l1_misses if self.l1_hits + self.l1_misses else self.l2_hits + self.l2_misses
-        return (self.l1_hits + self.l2_hits) / reads if reads else 0.0
+        # Not (l1_hits + l2_hits) / reads: prefetch threads read L2 too, without an L1 miss of their own.
+        return min(1.0, max(0.0, 1.0 - self.l3_reads / reads)) if reads else 0.0
 
     def minus(self, other: "CacheStats") -> "CacheStats":
         """Counters since `other` was copied (for per-epoch figures)."""
