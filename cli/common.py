@@ -17,7 +17,8 @@ F = TypeVar("F", bound=Callable)
 
 # Shared options, defined once (as skypilot's flags.py does).
 AddressOpt = typer.Option(None, "--address", envvar="RAY_ADDRESS",
-                          help="Ray cluster address (host:port or ray://...); default: an embedded local cluster.")
+                          help="Ray cluster address (host:port or ray://...); default: the cluster `cs3 up` started, "
+                               "else an embedded local cluster.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout.")
 OverridesArg = typer.Argument(None, help="Dotted overrides such as train.lr=3e-4 cluster.workers=2.",
                               show_default=False)

@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from . import bench_cmd, cache_cmd, ckpt_cmd, config_cmd, data_cmd, jobs_cmd
+from . import bench_cmd, cache_cmd, ckpt_cmd, cluster_cmd, config_cmd, data_cmd, jobs_cmd
 from .generate_cmd import generate
 from .report_cmd import report, runs_app
 from .serve_cmd import serve
@@ -19,6 +19,9 @@ app.command("generate")(generate)
 app.command("serve")(serve)
 app.command("submit")(jobs_cmd.submit)
 app.add_typer(jobs_cmd.app, name="jobs")
+app.command("up")(cluster_cmd.up_cmd)
+app.command("down")(cluster_cmd.down_cmd)
+app.command("status")(cluster_cmd.status_cmd)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(bench_cmd.app, name="bench")

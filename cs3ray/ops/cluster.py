@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from cs3ray.errors import UserError
 
 from .cluster_env import export_cluster_env
+from .cluster_record import recorded_cluster
 
 
 class ClusterError(UserError):
@@ -63,6 +65,17 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
         yield ray.get_runtime_context().gcs_address
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None and (local := recorded_cluster()) is not None:
+        address = local.address
+        if not quiet:
+            print(f"using the cluster `cs3 up` started at {address}", file=sys.stderr)
+    if address is not None and address.startswith(("http://", "https://")):
+        local = recorded_cluster()
+        if local is not None and local.dashboard_url == address.rstrip("/"):
+            address = local.address  # the dashboard of the cluster `cs3 up` started: its address is known
+    if address is not None and address.startswith(("http://", "https://")):
+        raise ClusterError(f"'{address}' is a dashboard URL; this command joins the cluster itself and needs its "
+                           "address, host:port (as `ray start --head` printed it).")
     embedded = address is None
     try:
         if embedded:

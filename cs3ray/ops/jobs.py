@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from cs3ray.config import JobConfig
 
 from .cluster import ClusterError, enable_token_auth, probe
+from .cluster_record import recorded_cluster
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Besides .gitignore and .rayignore, which Ray honours itself: never upload the repository's history.
@@ -46,8 +47,12 @@ def _explicit_address() -> Iterator[None]:
 def resolve_dashboard(address: str | None) -> Dashboard:
     """The dashboard URL of --address / RAY_ADDRESS: an http(s) URL as given, a cluster address via the cluster."""
     address = address or os.environ.get("RAY_ADDRESS")
+    if not address and (local := recorded_cluster()) is not None:
+        enable_token_auth()
+        return Dashboard(local.dashboard_url, f"the cluster `cs3 up` started ({local.dashboard_url})")
     if not address:
-        raise ClusterError("no Ray cluster named: pass --address http://HEAD:8265 (the dashboard) or set RAY_ADDRESS.")
+        raise ClusterError("no Ray cluster named: pass --address http://HEAD:8265 (the dashboard), set RAY_ADDRESS, "
+                           "or start one here with `cs3 up`.")
     enable_token_auth()
     if address.startswith(("http://", "https://")):
         parsed = urllib.parse.urlsplit(address)
