@@ -85,6 +85,22 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
          {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)
 
 
+@app.command("data", epilog=EXIT_CODES)
+@user_errors
+def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared in part (a); (b) reads its shards."),
+             latency_ms: float = typer.Option(20.0, min=0, help="Latency the proxy adds to every S3 request."),
+             quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Ray Data in the data path, one cluster: prepare (pipeline vs one process), a cold epoch from S3
+    (read_parquet vs cs3's loader through the cache), training tokens/s (data.loader ray_data vs direct)."""
+    from cs3ray.bench import data as data_bench
+
+    r = measured("data", data_bench.run, mb, latency_ms, quick=quick,
+                 log=lambda line: err_console.print(line, highlight=False))
+    emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; "
+         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; medians of the rounds)",
+         ["measure: Ray Data | other", "Ray Data", "other", "ratio", "target"], data_bench.rows(r), r, as_json)
+
+
 @app.command("serve", epilog=EXIT_CODES)
 @user_errors
 def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None, "--small/--no-small",
