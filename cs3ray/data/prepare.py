@@ -1,5 +1,7 @@
-"""Shard preparation as a Ray Data pipeline: corpus files are read and tokenized on every CPU of the
-cluster and shards written in parallel, with output byte-identical to `prepare_shards`.
+"""Shard preparation on the cluster: corpus files are read and tokenized by a Ray Data pipeline on every
+CPU of the cluster and the shards written by parallel Ray tasks, with output byte-identical to
+`prepare_shards`. Only the files that can still be needed are tokenized (in waves), in groups of
+about equal bytes.
 
 Why the output does not depend on the cluster. Ray Data tasks read and tokenize whole corpus files
 (a text file is one document, so a file is the smallest unit that keeps documents whole) and the
@@ -17,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -66,10 +69,12 @@ def _one_thread() -> Iterator[None]:
 
 
 def _tokenize_files(batch: pa.Table, corpus: Corpus, tok_json: str) -> pa.Table:
-    """Ray Data task: each corpus file -> its documents' character counts, token counts and tokens."""
+    """Ray Data task: each group's corpus files -> their documents' character counts, token counts and tokens."""
     tok = _tokenizer(tok_json)
     rows: dict[str, list] = {"file": [], "chars": [], "lengths": [], "tokens": [], "error": []}
-    for i, path, size in zip(*(batch.column(c).to_pylist() for c in ("file", "path", "size")), strict=True):
+    groups = zip(*(batch.column(c).to_pylist() for c in ("files", "paths", "sizes")), strict=True)
+    for i, path, size in ((i, p, n) for files, paths, sizes in groups for i, p, n in zip(files, paths, sizes,
+                                                                                         strict=True)):
         texts, error = [], ""
         try:
             texts.extend(corpus.file_documents(SourceFile(path, size)))
@@ -90,13 +95,19 @@ def _tokenize_files(batch: pa.Table, corpus: Corpus, tok_json: str) -> pa.Table:
                      "tokens": pa.array(rows["tokens"], pa.binary()), "error": pa.array(rows["error"], pa.string())})
 
 
-def _write_shards_task(batch: pa.Table, dest: Storage, refs: list) -> pa.Table:
-    """Ray Data task: write the batch's shards (skipping files that already hold the same bytes)."""
-    import ray
+def _groups(files: list[SourceFile], first: int, count: int) -> list[dict[str, list]]:
+    """Consecutive files from `first` in `count` groups of about equal bytes (tasks of equal work, in order)."""
+    sizes = np.array([f.size for f in files], dtype=np.int64)
+    bounds = np.searchsorted(np.cumsum(sizes), np.arange(1, count) * sizes.sum() / count, side="left") + 1
+    cuts = [0, *sorted({int(b) for b in bounds if 0 < b < len(files)}), len(files)]
+    return [{"files": list(range(first + a, first + b)), "paths": [f.path for f in files[a:b]],
+             "sizes": [f.size for f in files[a:b]]} for a, b in itertools.pairwise(cuts) if b > a]
 
-    samples, plan_ids = ray.get(refs)
+
+def _write_shards(shards: list[tuple[int, str]], dest: Storage, samples: np.ndarray, plan_ids: list) -> list[dict]:
+    """Ray task: write these shards (skipping files that already hold the same bytes)."""
     out = []
-    for j, name in zip(batch.column("shard").to_pylist(), batch.column("name").to_pylist(), strict=True):
+    for j, name in shards:
         entry, data = encode_shard(name, samples[plan_ids[j]])
         same, error = False, ""
         try:
@@ -105,8 +116,35 @@ def _write_shards_task(batch: pa.Table, dest: Storage, refs: list) -> pa.Table:
                 dest.write_bytes(data, name)
         except StorageError as exc:  # one sentence on the driver, not a task traceback
             error = str(exc)
-        out.append({"shard": j, "entry": json.dumps(entry), "skipped": same, "error": error})
-    return pa.Table.from_pylist(out)
+        out.append({"shard": j, "entry": entry, "skipped": same, "error": error})
+    return out
+
+
+def _write_all(plan: list, dest: Storage, samples: np.ndarray, workers: int,
+               on_shards: Callable[[int, int], None] | None) -> list[dict]:
+    """Every shard of `plan`, written by plain Ray tasks (a second Ray Data pipeline took seconds to start
+    for work of a fraction of that); results in shard order."""
+    import ray
+
+    names = [(j, name) for j, (_, name, _) in enumerate(plan)]
+    # One task per CPU the tokenize stage used: its worker processes are warm, while every task beyond
+    # them would start (and import cs3ray into) a new process, which costs more than a shard's writing.
+    chunks = [names[i::workers] for i in range(min(len(names), workers))]
+    options: dict[str, Any] = {"num_cpus": 1}
+    if _is_local(dest):  # a local path exists on the driver's machine only
+        options["label_selector"] = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    else:
+        options["scheduling_strategy"] = "SPREAD"
+    task = ray.remote(_write_shards).options(**options)
+    samples_ref, ids_ref = ray.put(samples), ray.put([ids for _, _, ids in plan])
+    pending = [task.remote(c, dest, samples_ref, ids_ref) for c in chunks]
+    rows: list[dict] = []
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        rows.extend(ray.get(done[0]))
+        if on_shards:
+            on_shards(len(rows), len(names))
+    return sorted(rows, key=lambda r: r["shard"])
 
 
 def _is_local(storage: Storage) -> bool:
@@ -146,31 +184,41 @@ def _ordered(progress_bars: bool) -> Iterator[None]:
 
 def _token_stream(corpus: Corpus, tok: Tokenizer, max_bytes: int, progress: Callable[[int], None] | None,
                   parallelism: int) -> np.ndarray:
-    """The tokens of the corpus' documents in order, up to the document that reaches `max_bytes` of text."""
+    """The tokens of the corpus' documents in order, up to the document that reaches `max_bytes` of text.
+
+    Only the files that can still be needed are tokenized: a wave takes the next files up to a tenth more
+    bytes than the text still missing (a character is at least one byte of a text file), and another
+    wave follows only if their documents fell short.
+    """
     import ray
 
-    items = [{"file": i, "path": f.path, "size": f.size} for i, f in enumerate(corpus.files)]
-    ds = ray.data.from_items(items, override_num_blocks=min(len(items), BLOCKS_PER_TASK * parallelism))
-    ds = ds.map_batches(_tokenize_files, batch_size=None, batch_format="pyarrow",
-                        fn_kwargs={"corpus": dataclasses.replace(corpus, files=[]), "tok_json": tok.to_json()},
-                        num_cpus=1,  # the one thread its tokenizer uses (`_one_thread`)
-                        **_placement(_is_local(corpus.storage), parallelism))
+    args = {"corpus": dataclasses.replace(corpus, files=[]), "tok_json": tok.to_json()}
+    placement = _placement(_is_local(corpus.storage), parallelism)
     parts: list[np.ndarray] = []
-    produced = 0
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        for row in batch.to_pylist():
-            chars = np.frombuffer(row["chars"], dtype=np.int64)
-            lengths = np.frombuffer(row["lengths"], dtype=np.int64)
-            reached = np.nonzero(produced + np.cumsum(chars) >= max_bytes)[0]
-            docs = int(reached[0]) + 1 if len(reached) else len(chars)
-            parts.append(np.frombuffer(row["tokens"], dtype=np.uint16)[: int(lengths[:docs].sum())])
-            produced += int(chars[:docs].sum())
-            if progress:
-                progress(int(chars[:docs].sum()))
-            if produced >= max_bytes:
-                return np.concatenate(parts)
-            if row["error"]:
-                raise DataError(row["error"])
+    produced, first = 0, 0
+    while first < len(corpus.files):
+        want = (max_bytes - produced) * 1.1
+        stop = min(len(corpus.files),
+                   first + 1 + int(np.searchsorted(np.cumsum([f.size for f in corpus.files[first:]]), want)))
+        groups = _groups(corpus.files[first:stop], first, BLOCKS_PER_TASK * parallelism)
+        ds = ray.data.from_items(groups, override_num_blocks=len(groups))
+        ds = ds.map_batches(_tokenize_files, batch_size=None, batch_format="pyarrow", fn_kwargs=args,
+                            num_cpus=1, **placement)  # one CPU: the one thread its tokenizer uses (`_one_thread`)
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for row in batch.to_pylist():
+                chars = np.frombuffer(row["chars"], dtype=np.int64)
+                lengths = np.frombuffer(row["lengths"], dtype=np.int64)
+                reached = np.nonzero(produced + np.cumsum(chars) >= max_bytes)[0]
+                docs = int(reached[0]) + 1 if len(reached) else len(chars)
+                parts.append(np.frombuffer(row["tokens"], dtype=np.uint16)[: int(lengths[:docs].sum())])
+                produced += int(chars[:docs].sum())
+                if progress:
+                    progress(int(chars[:docs].sum()))
+                if produced >= max_bytes:
+                    return np.concatenate(parts)
+                if row["error"]:
+                    raise DataError(row["error"])
+        first = stop
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
@@ -200,22 +248,12 @@ def prepare_shards_ray(corpus: Corpus, dest: Storage, spec: ShardSpec, progress:
     workers = max(1, parallelism or int(ray.cluster_resources().get("CPU", 1)))
     with _ordered(progress_bars):
         tokens = _token_stream(corpus, tok, spec.max_bytes, progress, workers)
-        plan = shard_plan(len(tokens), corpus.spec, spec)
-        width = spec.seq_len + 1
-        refs = [ray.put(tokens[: len(tokens) // width * width].reshape(-1, width)), ray.put([ids for _, _, ids in plan])]
-        items = [{"shard": j, "name": name} for j, (_, name, _) in enumerate(plan)]
-        ds = ray.data.from_items(items, override_num_blocks=min(len(items), BLOCKS_PER_TASK * workers))
-        ds = ds.map_batches(_write_shards_task, batch_size=None, batch_format="pyarrow",
-                            fn_kwargs={"dest": dest, "refs": refs}, **_placement(_is_local(dest), workers))
-        rows: list[dict] = []
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            rows.extend(batch.to_pylist())
-            if on_shards:
-                on_shards(len(rows), len(items))
-        rows.sort(key=lambda r: r["shard"])
+    plan = shard_plan(len(tokens), corpus.spec, spec)
+    width = spec.seq_len + 1
+    rows = _write_all(plan, dest, tokens[: len(tokens) // width * width].reshape(-1, width), workers, on_shards)
     failed = next((r["error"] for r in rows if r["error"]), None)
     if failed:
         raise StorageError(failed)
-    manifest = build_manifest(corpus, spec, tok, len(tokens), plan, [json.loads(r["entry"]) for r in rows])
+    manifest = build_manifest(corpus, spec, tok, len(tokens), plan, [r["entry"] for r in rows])
     dest.write_text(json.dumps(manifest, indent=1), MANIFEST)
     return manifest, sum(1 for r in rows if r["skipped"])

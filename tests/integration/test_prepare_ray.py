@@ -172,7 +172,7 @@ def _stage_nodes(dashboard: str) -> dict[str, set[str]]:
     # The dashboard's URL, not the GCS address: resolving that would point this process' internal KV
     # client at the other cluster.
     address = dashboard if "://" in dashboard else f"http://{dashboard}"
-    stages = ("MapBatches(_tokenize_files)", "MapBatches(_write_shards_task)")
+    stages = ("MapBatches(_tokenize_files)", "_write_shards")
     return {stage: {t.node_id for t in list_tasks(address=address, filters=[("name", "=", stage)], detail=True,
                                                   limit=1000, raise_on_missing_output=False) if t.node_id}
             for stage in stages}
