@@ -39,7 +39,7 @@ from cs3ray.storage import open_url
 from cs3ray.train.driver import prepare_data
 
 from .loopback_s3 import LatencyProxy, MotoServer, make_bucket, s3_options
-from .train import _cs3_run
+from .train import cs3_run
 
 BUCKET = "cs3"
 TRAIN_CONFIG = "configs/tiny.yaml"
@@ -212,7 +212,7 @@ def _train_part(root: str, rounds: int, warmup: int, steps: int, workers: int,
     runs: dict[str, list[float]] = {"ray_data": [], "direct": []}
     for r in range(rounds):
         for loader in (["direct", "ray_data"] if r % 2 == 0 else ["ray_data", "direct"]):
-            summary = _cs3_run(TRAIN_CONFIG, common + [f"data.loader={loader}"], root, f"{loader}-{r}")
+            summary = cs3_run(TRAIN_CONFIG, common + [f"data.loader={loader}"], root, f"{loader}-{r}")
             runs[loader].append(summary["steady_tokens_per_s"])
         say(f"train round {r + 1}: tokens/s ray_data {runs['ray_data'][-1]:,.0f}, direct {runs['direct'][-1]:,.0f}")
     return {"train_config": TRAIN_CONFIG, "train_precision": "fp32", "train_workers": workers, "train_rounds": rounds,

@@ -48,7 +48,7 @@ def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int
     return warmup, max(2, min(most[1], per_mode - warmup))
 
 
-def _cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
+def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
     """A cs3ray run's summary plus `steady_tokens_per_s`: its steady windows' tokens over their time.
 
     That is how the peers' rate is computed (the summary's own figure is the mean of the
@@ -131,7 +131,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
                     rates[mode] = ray_train_peer(base, data, threads, peer_warmup, steps,
                                                  os.path.join(root, "ray-train"))
                 else:
-                    one = _cs3_run(config, one_worker, root, f"one-{rnd}")
+                    one = cs3_run(config, one_worker, root, f"one-{rnd}")
                     rates[mode] = one["steady_tokens_per_s"]
                     worker_mfu.append(one["mfu"])
                 walls[mode] = time.perf_counter() - t0
@@ -140,7 +140,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
                 f"{m} {rates[m]:,.0f} ({walls[m]:.0f})" for m in ONE_WORKER_MODES))
         for strategy in STRATEGIES:
             log(f"cs3ray, 2 workers, {strategy}")
-            r = _cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
+            r = cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
                                            f"train.batch_size={per_worker_batch}", f"parallel.strategy={strategy}"],
                          root, strategy)
             mem = (r.get("memory") or [{}])[0]
