@@ -3,11 +3,14 @@
 import json
 import math
 
+import pytest
+
 from cs3ray.bench import data
 
 from conftest import run_cs3
 
 
+@pytest.mark.slow
 def test_quick_run_measures_prepare_read_and_training():
     proc = run_cs3(["bench", "data", "--quick", "--json"], check=True)
     assert "Traceback" not in proc.stderr

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from conftest import run_cs3
 
 
@@ -23,6 +25,7 @@ def _running(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+@pytest.mark.slow
 def test_up_status_down_are_idempotent_and_touch_only_their_own_cluster(ray_head, tmp_path):
     env = {k: v for k, v in ray_head.env().items() if k != "RAY_ADDRESS"}
     env["CS3_HOME"] = str(tmp_path / "home")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from conftest import ROOT, run_cs3
 
 SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128", "train.seq_len=32",
@@ -15,6 +17,7 @@ SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=1
          "precision=fp32"]
 
 
+@pytest.mark.slow
 def test_submit_follows_a_run_to_the_end_and_jobs_lists_it(ray_head, tmp_path):
     env = {k: v for k, v in ray_head.env().items() if k != "RAY_ADDRESS"}
     work = tmp_path / "project"  # a user's folder: their config, no jobs/train.py (cs3 train runs the job)
