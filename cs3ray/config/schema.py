@@ -14,6 +14,13 @@ from .redact import strip_masked
 from .runs import run_dir
 
 
+def _callable_spec(v: str | None) -> str | None:
+    """A 'package.module:function' setting (model.target, data.transform), checked for its form only."""
+    if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+        raise ValueError("must look like 'package.module:function'")
+    return v
+
+
 class Section(BaseModel):
     """Strict base: unknown keys and silent type coercion from strings are refused."""
 
@@ -40,12 +47,7 @@ class ModelConfig(Section):
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output projection.")
 
-    @field_validator("target")
-    @classmethod
-    def _target_form(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
-            raise ValueError("must look like 'package.module:function'")
-        return v
+    _target_form = field_validator("target")(_callable_spec)
 
     def args(self) -> ModelArgs:
         """The resolved shape: the preset's values with explicit fields on top."""
@@ -88,12 +90,7 @@ class DataConfig(Section):
         None, description="Your batch transform 'pkg.module:fn', called with {'tokens': (rows, seq_len+1) int64} "
                           "and returning the same shape; runs in Ray Data tasks with data.loader=ray_data.")
 
-    @field_validator("transform")
-    @classmethod
-    def _transform_form(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[\w.]+:[\w.]+", v):
-            raise ValueError("must look like 'package.module:function'")
-        return v
+    _transform_form = field_validator("transform")(_callable_spec)
 
 
 class TrainConfig(Section):
