@@ -31,16 +31,18 @@ def _cfg(run_dir, *extra):
     return load_config(ROOT / "configs/tiny.yaml", [
         f"run.dir={run_dir}", f"train.seq_len={SEQ}", "train.batch_size=8", "train.warmup_steps=2",
         "train.log_every=2", "train.eval_every=100", "train.eval_batches=2", "checkpoint.every=100",
-        "precision=fp32", *extra])
+        "precision=fp32", *extra])  # a later precision= in `extra` wins
 
 
-def test_a_users_dataset_trains_on_two_workers_with_int8_gradients(ray_client, ray_head, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_users_dataset_trains_on_two_workers_with_int8_gradients(ray_client, ray_head, tmp_path, precision):
     from cs3ray.train import train
 
     run_dir = tmp_path / "byo"
-    summary = train(_cfg(run_dir, "train.steps=6", "compression.codec=int8", "compression.warmup_steps=0"),
+    summary = train(_cfg(run_dir, "train.steps=6", "compression.codec=int8", "compression.warmup_steps=0",
+                         f"precision={precision}"),
                     dataset=_dataset(ray_client), address=ray_head.address, quiet=True)
-    assert summary["steps"] == 6 and summary["workers"] == 2
+    assert summary["steps"] == 6 and summary["workers"] == 2 and summary["precision"] == precision
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5  # it learns from the rows it is given
     # Compressed sync: the bytes a rank sent each step, reported as it trains and in the summary.
     progress = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
