@@ -247,7 +247,7 @@ def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
         result: dict[str, Any] = {"corpus": corpus_name, "corpus_mb": mb, "tokenizer": tok.describe(),
                                   "cores": cores, "prepare_rounds": prep_rounds}
         # Room beside the cores for tiny.yaml's 2 workers, Ray Train's controller and Ray Data's tasks.
-        with _workers_at_nice_0(), ray_cluster(None, num_cpus=cores + 4, quiet=True):
+        with _workers_at_nice_0(), ray_cluster(None, num_cpus=cores + 4, quiet=True, use_recorded=False):
             parts_s = {"setup": time.perf_counter() - started}
             say(f"(a) preparing {mb} MB of {corpus_name}: Ray Data pipeline vs a single process")
             if not quick:

@@ -159,7 +159,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> dict[str, An
     steps, kill_after, timeout = (30, 12, 300) if quick else (60, 17, 500)
     batch = 8
     modes: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="cs3-bench-recovery-") as root, ray_cluster(None, num_cpus=8, quiet=True):
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-recovery-") as root, ray_cluster(None, num_cpus=8, quiet=True, use_recorded=False):
         for mode in ("restart", "replicas"):
             log(f"cs3ray, cluster.fault_tolerance={mode}: 2 workers, SIGKILL one mid-run")
             modes[mode] = _cs3_run(root, steps, every, batch, kill_after, timeout, mode)

@@ -117,7 +117,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     rounds: list[dict[str, float]] = []
     worker_mfu: list[float] = []
     with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root, \
-            ray_cluster(None, num_cpus=threads + 4, quiet=True):
+            ray_cluster(None, num_cpus=threads + 4, quiet=True, use_recorded=False):
         # The 1-worker modes take turns, each round in another order, all beside the same idle
         # cluster: a drift of the host's speed reaches every mode alike over the rounds.
         for rnd in range(ROUNDS):

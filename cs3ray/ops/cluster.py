@@ -55,9 +55,11 @@ def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
 
 @contextlib.contextmanager
 def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False,
-                serving: bool = False) -> Iterator[str]:
+                serving: bool = False, use_recorded: bool = True) -> Iterator[str]:
     """Yield the address of a connected Ray cluster; an embedded one is shut down on exit.
-    serving: an embedded cluster started to serve a model (its workers run at nice 0, see cluster_env)."""
+    serving: an embedded cluster started to serve a model (its workers run at nice 0, see cluster_env).
+    use_recorded: without an address, join the cluster `cs3 up` started (False: benchmarks, which compare
+    on a cluster of their own)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -65,7 +67,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
         yield ray.get_runtime_context().gcs_address
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None and (local := recorded_cluster()) is not None:
+    if address is None and use_recorded and (local := recorded_cluster()) is not None:
         address = local.address
         if not quiet:
             print(f"using the cluster `cs3 up` started at {address}", file=sys.stderr)
