@@ -80,6 +80,7 @@ class ComputeCore:
         self.may_commit: Callable[[], bool] | None = None
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
+        self.grad_norm: float | None = None  # before clipping, of the last applied step (train.clip > 0)
 
     def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
         ctx = autocast(self.precision, self.device) if self.autocast else contextlib.nullcontext()
@@ -127,7 +128,7 @@ class ComputeCore:
             ok = self.may_commit() and ok
         if ok:
             if t.clip > 0:
-                clip_grad_norm(self.params, t.clip)
+                self.grad_norm = clip_grad_norm(self.params, t.clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, ok

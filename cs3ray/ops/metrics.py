@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -44,26 +45,69 @@ class EventLog:
         self._flushed = len(self.lines)
 
 
-class TrainGauges:
-    """Prometheus gauges exported through Ray's metrics agent (rank 0 sets them)."""
+# Prometheus names get Ray's "ray_" prefix on the metrics endpoint (counters also "_total").
+TRAIN_GAUGES: dict[str, str] = {
+    "loss": "training loss (mean over ranks, last step of the log window)",
+    "val_loss": "validation loss",
+    "tokens_per_s": "global tokens per second over the log window",
+    "step_time_s": "seconds of the last optimizer step",
+    "step": "optimizer step",
+    "lr": "learning rate",
+    "mfu": "model FLOPs utilisation (0-1)",
+    "grad_norm": "global gradient norm before clipping (runs with train.clip > 0)",
+    "loss_scale": "fp16 loss scale",
+    "skipped_steps": "steps skipped for an inf/nan gradient so far",
+    "workers": "workers taking part in the step",
+    "comm_bytes_per_step": "gradient bytes a rank sent per step (compressed sync only)",
+    "wire_ratio": "gradient bytes sent / an fp32 ring all-reduce's (compressed sync only)",
+    "checkpoint_save_s": "seconds the last checkpoint blocked training",
+    "checkpoint_restore_s": "seconds the last restore took (a resume, retry or resize)",
+    "restarts": "times the worker group started again from a checkpoint in this run (retries, resizes)",
+    "recoveries": "replicas that healed from a live peer without a restart (cluster.fault_tolerance=replicas)",
+}
+# Event fields copied as they are into the gauge of the same name.
+_COPIED = {"progress": ("loss", "tokens_per_s", "step_time_s", "step", "lr", "mfu", "grad_norm", "loss_scale",
+                        "skipped_steps", "workers", "comm_bytes_per_step", "wire_ratio"),
+           "eval": ("val_loss",)}
+
+
+class RunMetrics:
+    """A run's Prometheus gauges, set by the driver from the events its workers report.
+
+    The driver sees every event of every worker-group attempt, so restarts and recoveries are
+    counted where they are observed; the gauges vanish from the endpoint some time after the
+    driver exits, as a finished run's should.
+    """
 
     def __init__(self, run_name: str) -> None:
         from ray.util.metrics import Gauge
 
-        tags = {"run": run_name}
-        names = {"loss": "training loss", "val_loss": "validation loss", "tokens_per_s": "global tokens per second",
-                 "step_time_s": "seconds per optimizer step", "step": "optimizer step", "lr": "learning rate",
-                 "mfu": "model FLOPs utilisation (0-1)",
-                 "comm_bytes_per_step": "gradient bytes a rank sent per step (compressed sync only)",
-                 "wire_ratio": "gradient bytes sent / an fp32 ring all-reduce's (compressed sync only)"}
         self._gauges = {}
-        for key, desc in names.items():
+        for key, desc in TRAIN_GAUGES.items():
             g = Gauge(f"cs3_train_{key}", description=desc, tag_keys=("run",))
-            g.set_default_tags(tags)
+            g.set_default_tags({"run": run_name})
             self._gauges[key] = g
+        self._starts = 0
+        self._recoveries = 0
+        for key in ("restarts", "recoveries"):
+            self._gauges[key].set(0.0)
 
-    def update(self, values: dict[str, Any]) -> None:
-        for key, g in self._gauges.items():
-            v = values.get(key)
-            if isinstance(v, (int, float)):
-                g.set(float(v))
+    def observe(self, event: dict[str, Any]) -> None:
+        """Update the gauges an event carries figures for."""
+        kind = event.get("event")
+        for key in _COPIED.get(kind, ()):
+            self._set(key, event.get(key))
+        if kind == "checkpoint":
+            self._set("checkpoint_save_s", event.get("seconds"))
+        elif kind == "restored":
+            self._set("checkpoint_restore_s", event.get("seconds"))
+        elif kind == "start":  # each worker-group attempt starts once; the first is not a restart
+            self._starts += 1
+            self._set("restarts", self._starts - 1)
+        elif kind == "healed":
+            self._recoveries += 1
+            self._set("recoveries", self._recoveries)
+
+    def _set(self, key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            self._gauges[key].set(float(value))

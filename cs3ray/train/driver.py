@@ -19,7 +19,7 @@ from cs3ray.data.transform import load_transform
 from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
-from cs3ray.ops.metrics import EventLog
+from cs3ray.ops.metrics import EventLog, RunMetrics
 from cs3ray.storage import Storage, StorageError, open_url
 
 log = logging.getLogger(__name__)
@@ -223,6 +223,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             shards_url, val_rows = None, _val_rows(cfg, val_dataset if val_dataset is not None else dataset)
         run.write_text(to_yaml(cfg), "config.yaml")
         log = EventLog(run)
+        metrics = RunMetrics(cfg.run.name)  # Prometheus, on the metrics endpoint of the driver's node
         # On the driver's own node: a monitor on a worker node would die with that node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         monitor = RunMonitor.options(scheduling_strategy=here).remote()
@@ -272,8 +273,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
                 if stop is not None and stop.is_set() and not stop_sent:
                     monitor.request_stop.remote()
                     stop_sent = True
-                events += _drain(monitor, len(events), log, on_event)
-            events += _drain(monitor, len(events), log, on_event)
+                events += _drain(monitor, len(events), log, on_event, metrics)
+            events += _drain(monitor, len(events), log, on_event, metrics)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
@@ -309,12 +310,13 @@ def _trainer_class() -> type:
     return Trainer
 
 
-def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None) -> list[dict]:
+def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metrics: RunMetrics) -> list[dict]:
     import ray
 
     new = ray.get(monitor.events_since.remote(start))
     for e in new:
         log.add(e)
+        metrics.observe(e)
         if on_event:
             on_event(e)
     if new:

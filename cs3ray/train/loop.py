@@ -27,7 +27,6 @@ from cs3ray.data.ray_stream import RayDataStream
 from cs3ray.data.shards import read_manifest, read_split, shard_tokenizer
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import load_tokenizer, train_flops_per_token
-from cs3ray.ops.metrics import TrainGauges
 from cs3ray.storage import open_url
 
 from .elastic import plan_batch
@@ -88,8 +87,6 @@ class Worker:
         self.replicated = cfg.cluster.fault_tolerance == "replicas"
         # Who reports events: rank 0, or with fault-tolerant replicas the first one alive this step.
         self.reporter = self.rank == 0
-        # Live Prometheus gauges (Ray's metrics agent) beside the run's JSONL event log.
-        self.gauges = TrainGauges(cfg.run.name) if self.rank == 0 or self.replicated else None
         self.threads = max(1, int(cfg.cluster.cpus_per_worker))
         # Ray sets OMP_NUM_THREADS=1 in workers; use exactly the CPUs this worker reserved.
         torch.set_num_threads(self.threads)
@@ -149,6 +146,7 @@ class Worker:
 
     def _restore(self) -> bool:
         """Load the newest checkpoint; True when this rank's own RNG streams were restored too."""
+        t0 = time.perf_counter()
         state = self.core.state()
         step, meta, rank_state = self.ckpt.load(state)
         self.core.after_load(state)
@@ -162,7 +160,8 @@ class Worker:
         source = self.ckpt.last_restore.source if self.ckpt.last_restore else "storage"
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
                     from_strategy=meta.get("strategy"), restored_from=source,
-                    data_samples=(meta.get("data") or {}).get("samples"))
+                    data_samples=(meta.get("data") or {}).get("samples"),
+                    seconds=round(time.perf_counter() - t0, 3))
         return rank_state is not None
 
     def _live_state(self) -> dict[str, Any]:
@@ -189,8 +188,6 @@ class Worker:
                                         "step": self.progress.step})
 
     def _event(self, kind: str, **data: Any) -> None:
-        if self.reporter and self.gauges is not None and kind in ("progress", "eval"):
-            self.gauges.update(data)
         if self.reporter and self.monitor is not None:
             # `wall`: when it happened on the worker (the log's `time` is when the driver saw it).
             self.monitor.record.remote({"event": kind, "wall": time.time(), **data})
@@ -277,6 +274,7 @@ class Worker:
                             **self._comm_window(window_steps),
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
+                            grad_norm=self.core.grad_norm,
                             loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
                             cache=self.stream.cache_counters())
                 window_t, window_steps, tracked = time.perf_counter(), 0, False

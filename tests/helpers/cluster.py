@@ -17,16 +17,20 @@ from typing import Iterator
 
 from cs3ray.ops.ports import free_port
 
+# Processes push their metrics to the node's agent every 10 s by default: too slow for a short test run.
+METRICS_ENV = {"RAY_metrics_report_interval_ms": "1000"}
+
 
 @dataclass
 class HeadNode:
     proc: subprocess.Popen
     address: str
     dashboard_url: str
+    metrics_url: str  # Ray's Prometheus endpoint (every process's ray.util.metrics, through the node's agent)
 
     def env(self) -> dict[str, str]:
         """Environment for clients of this node (token auth as `ray start` set it up)."""
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address)
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address, **METRICS_ENV)
         if (Path.home() / ".ray" / "auth_token").exists():
             env["RAY_AUTH_MODE"] = "token"
         return env
@@ -46,16 +50,17 @@ class HeadNode:
 def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | None = None,
                timeout: float = 90) -> HeadNode:
     """A head node on 127.0.0.1 with free ports; returns once it accepts connections."""
-    port, dash, agent = free_port(), free_port(), free_port()
+    port, dash, agent, metrics = free_port(), free_port(), free_port(), free_port()
     # Every port chosen free: the defaults (6379, 8265, the job agent's 52365) would collide
     # with any other Ray node on the machine, and `ray job submit` would find no agent.
     cmd = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
            f"--num-cpus={num_cpus}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats",
+           f"--metrics-export-port={metrics}",
            *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0"))
-    node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}")
+                            env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0", **METRICS_ENV))
+    node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{metrics}/metrics")
     deadline = time.time() + timeout
     import urllib.error
     import urllib.request

@@ -23,6 +23,7 @@ from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 
 from conftest import run_cs3
+from helpers.prometheus import scrape
 from helpers.serve_checkpoints import make_checkpoint
 
 # Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
@@ -107,6 +108,20 @@ def test_streaming_matches_non_streaming(app):
     deltas = [ch.choices[0].delta for ch in stream if ch.choices]
     assert deltas[0].role == "assistant"
 
+
+
+def test_engine_metrics_reach_the_prometheus_endpoint(app, ray_head):
+    from cs3ray.serve.metrics import SERVE_METRICS
+
+    c = client(app)
+    list(c.completions.create(model="tiny-test", prompt="x", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+    deadline, found = time.time() + 60, {}
+    while time.time() < deadline and not SERVE_METRICS.keys() <= found.keys():
+        found = {name[len("ray_"):]: samples for name, samples in scrape(ray_head.metrics_url, "ray_cs3_serve_").items()}
+        time.sleep(0.5)
+    assert SERVE_METRICS.keys() <= found.keys(), sorted(found)
+    counts = {s.name: s.value for s in found["cs3_serve_ttft_ms"] + found["cs3_serve_generated_tokens"]}
+    assert counts["ray_cs3_serve_ttft_ms_count"] >= 1 and counts["ray_cs3_serve_generated_tokens_total"] >= 6
 
 def test_greedy_identical_alone_and_in_a_full_batch(app):
     c = client(app)
