@@ -209,6 +209,12 @@ class ClusterConfig(Section):
 class RunConfig(Section):
     name: str = Field("tiny", description="Run name; the run directory defaults to runs/<name>.")
     dir: str | None = Field(None, description="Run directory: a local path or any fsspec URL (default runs/<name>).")
+    loggers: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        description="Also log the run's figures to TensorBoard (event files under <run dir>/tensorboard, with "
+                    "tensorboardX as Ray's TensorBoard logger does) and/or MLflow (MLflow's own MLFLOW_TRACKING_URI "
+                    "and credentials from the environment); each needs its package installed.")
+    mlflow_experiment: str = Field("cs3ray", min_length=1, description="MLflow experiment the run is logged under.")
 
     @field_validator("name")
     @classmethod

@@ -65,10 +65,22 @@ TRAIN_GAUGES: dict[str, str] = {
     "restarts": "times the worker group started again from a checkpoint in this run (retries, resizes)",
     "recoveries": "replicas that healed from a live peer without a restart (cluster.fault_tolerance=replicas)",
 }
-# Event fields copied as they are into the gauge of the same name.
+# Event fields that are figures under their own name.
 _COPIED = {"progress": ("loss", "tokens_per_s", "step_time_s", "step", "lr", "mfu", "grad_norm", "loss_scale",
                         "skipped_steps", "workers", "comm_bytes_per_step", "wire_ratio"),
            "eval": ("val_loss",)}
+
+
+def event_figures(event: dict[str, Any]) -> dict[str, float]:
+    """The figures an event carries, by TRAIN_GAUGES name (what the gauges and the optional loggers record)."""
+    kind = event.get("event")
+    out = {key: event.get(key) for key in _COPIED.get(kind, ())}
+    if kind == "checkpoint":
+        out["checkpoint_save_s"] = event.get("seconds")
+    elif kind == "restored":
+        out["checkpoint_restore_s"] = event.get("seconds")
+    return {k: float(v) for k, v in out.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 class RunMetrics:
@@ -94,20 +106,12 @@ class RunMetrics:
 
     def observe(self, event: dict[str, Any]) -> None:
         """Update the gauges an event carries figures for."""
+        for key, value in event_figures(event).items():
+            self._gauges[key].set(value)
         kind = event.get("event")
-        for key in _COPIED.get(kind, ()):
-            self._set(key, event.get(key))
-        if kind == "checkpoint":
-            self._set("checkpoint_save_s", event.get("seconds"))
-        elif kind == "restored":
-            self._set("checkpoint_restore_s", event.get("seconds"))
-        elif kind == "start":  # each worker-group attempt starts once; the first is not a restart
+        if kind == "start":  # each worker-group attempt starts once; the first is not a restart
             self._starts += 1
-            self._set("restarts", self._starts - 1)
+            self._gauges["restarts"].set(float(self._starts - 1))
         elif kind == "healed":
             self._recoveries += 1
-            self._set("recoveries", self._recoveries)
-
-    def _set(self, key: str, value: Any) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            self._gauges[key].set(float(value))
+            self._gauges["recoveries"].set(float(self._recoveries))

@@ -20,6 +20,7 @@ from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
 from cs3ray.ops.metrics import EventLog, RunMetrics
+from cs3ray.ops.run_loggers import RunLogger, check_loggers, close_loggers, observe_all, open_loggers
 from cs3ray.storage import Storage, StorageError, open_url
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     run = prepare_run_dir(cfg, resume, overwrite)
     check_tokenizer(cfg, run, resume)
     _check_transform(cfg.data.transform)
+    check_loggers(cfg)
     if dataset is not None:
         _check_dataset_config(cfg, resume)
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
@@ -224,6 +226,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         run.write_text(to_yaml(cfg), "config.yaml")
         log = EventLog(run)
         metrics = RunMetrics(cfg.run.name)  # Prometheus, on the metrics endpoint of the driver's node
+        loggers = open_loggers(cfg, run)  # TensorBoard / MLflow when run.loggers asks
         # On the driver's own node: a monitor on a worker node would die with that node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         monitor = RunMonitor.options(scheduling_strategy=here).remote()
@@ -273,12 +276,13 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
                 if stop is not None and stop.is_set() and not stop_sent:
                     monitor.request_stop.remote()
                     stop_sent = True
-                events += _drain(monitor, len(events), log, on_event, metrics)
-            events += _drain(monitor, len(events), log, on_event, metrics)
+                events += _drain(monitor, len(events), log, on_event, metrics, loggers)
+            events += _drain(monitor, len(events), log, on_event, metrics, loggers)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
             log.flush()
+            close_loggers(loggers)
         if "error" in outcome:
             raise TrainingError(_worker_error(outcome["error"])) from None
         ray.kill(monitor)
@@ -310,13 +314,15 @@ def _trainer_class() -> type:
     return Trainer
 
 
-def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metrics: RunMetrics) -> list[dict]:
+def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metrics: RunMetrics,
+           loggers: list[RunLogger]) -> list[dict]:
     import ray
 
     new = ray.get(monitor.events_since.remote(start))
     for e in new:
         log.add(e)
         metrics.observe(e)
+        observe_all(loggers, e)
         if on_event:
             on_event(e)
     if new:
