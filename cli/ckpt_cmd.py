@@ -1,4 +1,4 @@
-"""`cs3 ckpt ls|verify|export`: inspect, check and export a run's checkpoints."""
+"""`cs3 ckpt ls|verify|export|import-hf`: inspect, check and export a run's checkpoints; import Hugging Face Llama."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from cs3ray.config import runtime_storage_options
 
 from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
 
-app = typer.Typer(help="Checkpoints of a run: list them, verify checksums, export one file.", no_args_is_help=True)
+app = typer.Typer(help="Checkpoints of a run: list them, verify checksums, export one file, import Hugging Face Llama.",
+                  no_args_is_help=True)
 
 
 @app.command("ls")
@@ -61,12 +62,15 @@ def verify(target: str = typer.Argument(..., help="RUN (every checkpoint), RUN/S
 @user_errors
 def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), RUN/STEP or a checkpoint folder."),
            storage: Optional[list[str]] = StorageOverridesArg,
-           fmt: str = typer.Option("safetensors", "--format", help="safetensors or torch (a plain dict of tensors)."),
-           out: Optional[str] = typer.Option(None, "--out", "-o", help="Output file (default: model-step<N>.<ext>)."),
+           fmt: str = typer.Option("safetensors", "--format", help="safetensors, torch (a plain dict of tensors) or "
+                                                                   "hf (a Hugging Face Llama directory)."),
+           out: Optional[str] = typer.Option(None, "--out", "-o", help="Output file, a directory for hf (default: "
+                                                                      "model-step<N>.<ext>, model-step<N>-hf)."),
            dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast the tensors to fp32, bf16 or fp16 "
                                                                      "(default: as stored, fp32)."),
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
-    """Write one consolidated model file that loads without cs3ray (safetensors or torch.load)."""
+    """Write one consolidated model file that loads without cs3ray (safetensors or torch.load), or a Hugging Face
+    Llama directory (--format hf) that transformers' LlamaForCausalLM.from_pretrained loads."""
     from cs3ray.ckpt.export import FORMATS
     from cs3ray.ckpt.export import export as export_ckpt
     from cs3ray.core.precision import DTYPES
@@ -77,10 +81,29 @@ def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), 
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     options = runtime_storage_options(storage or [], storage_options)
     url = resolve_target(target, options)
-    ext = "safetensors" if fmt == "safetensors" else "pt"
-    path = out or f"model-{os.path.basename(url.rstrip('/'))}.{ext}"
+    suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf"}[fmt]
+    path = out or f"model-{os.path.basename(url.rstrip('/'))}{suffix}"
     r = export_ckpt(url, path, fmt, options, DTYPES[dtype] if dtype else None)
     (err_console if as_json else console).print(f"exported step {r['step']}: {r['tensors']} {r['dtype']} tensors, {r['bytes'] / 2**20:,.1f} MB -> {r['path']}",
                   highlight=False)
+    if as_json:
+        print(json.dumps(r))
+
+
+@app.command("import-hf")
+@user_errors
+def import_hf(src: str = typer.Argument(..., help="Hugging Face Llama directory (local path or fsspec URL)."),
+              name: str = typer.Option(..., "--name", help="Run to create (runs/<name>), path or URL."),
+              tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or a folder holding "
+                                                      "one) to use instead of the directory's."),
+              storage: Optional[list[str]] = StorageOverridesArg,
+              storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
+    """Import a Hugging Face Llama directory (config.json, safetensors, tokenizer.json) as a run's step-0 checkpoint."""
+    from cs3ray.ckpt.hf_import import import_hf as import_dir
+
+    out = err_console if as_json else console
+    r = import_dir(src, name, runtime_storage_options(storage or [], storage_options), tokenizer,
+                   note=lambda line: err_console.print(line, highlight=False))
+    out.print(f"imported {r['params']:,} parameters ({r['tokenizer']} tokenizer) -> {r['url']}", highlight=False)
     if as_json:
         print(json.dumps(r))

@@ -1,4 +1,5 @@
-"""Export a checkpoint as one consolidated file (safetensors or torch) that loads without cs3ray."""
+"""Export a checkpoint as one consolidated file (safetensors or torch) that loads without cs3ray, or as a
+Hugging Face Llama directory (hf)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .manifest import CheckpointError
 from .reading import open_checkpoint
 from .restore import Checkpoint
 
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "hf")  # hf: a Hugging Face Llama directory (cs3ray.ckpt.hf_export)
 
 
 def consolidated_model(run_or_ckpt: str, options: dict | None = None,
@@ -41,10 +42,14 @@ def consolidated_model(run_or_ckpt: str, options: dict | None = None,
 
 def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict | None = None,
            dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Write the model of a checkpoint to `out`, its floating tensors cast to `dtype` (None: as
-    stored, fp32 whatever precision trained it); returns {"path", "step", "tensors", "bytes", "dtype"}."""
+    """Write the model of a checkpoint to `out` (a directory for "hf"), its floating tensors cast to `dtype`
+    (None: as stored, fp32 whatever precision trained it); returns {"path", "step", "tensors", "bytes", "dtype"}."""
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}.")
+    if fmt == "hf":
+        from .hf_export import export_hf  # it builds on consolidated_model below
+
+        return export_hf(run_or_ckpt, out, options, dtype)
     extra = {"tokenizer.json": b""}
     model, manifest = consolidated_model(run_or_ckpt, options, extra)
     if dtype is not None:

@@ -8,6 +8,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from cs3ray.models.hf_llama import hf_path
+
+from .hf_import import load_hf_weights
 from .reading import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -18,8 +21,11 @@ def load_init_weights(model: nn.Module, run_or_ckpt: str, options: dict | None =
 
     Works for a freshly built and parallelized model of any strategy/world size (DCP reshards);
     call it on every rank. Verified, with open_checkpoint's fallback. Returns {"step", "url"} of
-    the checkpoint used.
+    the checkpoint used. `hf:DIR` names a Hugging Face Llama directory instead (cs3ray.ckpt.hf_import).
     """
+    src = hf_path(run_or_ckpt)
+    if src is not None:  # hf:DIR, a Hugging Face Llama directory
+        return load_hf_weights(model, src, options)
     ckpt = open_checkpoint(run_or_ckpt, options, prepare=lambda _: {"model": get_model_state_dict(model)})
     set_model_state_dict(model, ckpt.state["model"], options=StateDictOptions(strict=True))
     log.info("initialized weights from %s (step %d)", ckpt.url, ckpt.step)

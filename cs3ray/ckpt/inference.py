@@ -11,6 +11,7 @@ import yaml
 from cs3ray.config import JobConfig, build_config, resolve_run
 from cs3ray.models import Tokenizer, TokenizerError, tokenizer_from_json
 from cs3ray.models.factory import model_from_config
+from cs3ray.models.hf_llama import hf_path
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .locations import list_steps, step_dir
@@ -31,6 +32,9 @@ class LoadedModel:
 def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
     """The checkpoint folder a RUN argument names: itself if it has a manifest, else the run's newest
     complete one (not verified: open_checkpoint verifies, and falls back past a damaged one)."""
+    if hf_path(run) is not None:
+        raise CheckpointError(f"'{run}' names a Hugging Face directory, not a cs3ray checkpoint: import it with "
+                              "`cs3 ckpt import-hf`.")
     storage = open_url(resolve_run(run), options)
     try:
         if storage.exists(MANIFEST):

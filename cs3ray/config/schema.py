@@ -8,7 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cs3ray.errors import UserError
 from cs3ray.models import PRESETS, ByteTokenizer, ModelArgs, TokenizerError, load_tokenizer, padded_vocab
+from cs3ray.models.hf_llama import SHAPE_FIELDS as HF_SHAPE_FIELDS
+from cs3ray.models.hf_llama import hf_path, model_fields, read_config
 
 from .redact import strip_masked
 from .runs import run_dir
@@ -45,6 +48,7 @@ class ModelConfig(Section):
                                 "size padded to a multiple of 8 (a smaller value is an error).")
     max_seq_len: int | None = Field(None, ge=8, description="Longest context the model supports (RoPE table length).")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
+    norm_eps: float | None = Field(None, gt=0, description="Epsilon of the RMS norms (default 1e-5).")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output projection.")
 
     _target_form = field_validator("target")(_callable_spec)
@@ -303,6 +307,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":
+        self._fill_from_hf()
         self._fit_vocab()
         args = self.model.args()
         if self.train.seq_len > args.max_seq_len:
@@ -331,6 +336,28 @@ class JobConfig(Section):
                 raise ValueError("cluster.fault_tolerance=replicas needs a fixed cluster.workers (Ray Train replaces "
                                  "lost replicas only in fixed-size groups)")
         return self
+
+    def _fill_from_hf(self) -> None:
+        """train.init_from=hf:DIR: model fields left unset come from DIR's config.json; set ones must agree."""
+        src = hf_path(self.train.init_from or "")
+        if src is None:
+            return
+        if self.model.target:
+            raise ValueError(f"train.init_from={self.train.init_from} loads into cs3ray's built-in transformer, "
+                             f"not model.target '{self.model.target}'")
+        if all(getattr(self.model, k) is not None for k in HF_SHAPE_FIELDS):
+            return  # every field explicit (a config stored in a checkpoint): the weights' load checks the shapes
+        try:
+            fields = model_fields(read_config(src, self.storage.options), f"'{src}/config.json'")
+        except UserError as exc:
+            raise ValueError(str(exc).rstrip(".")) from None
+        for key in HF_SHAPE_FIELDS:
+            mine = getattr(self.model, key)
+            if mine is None:
+                setattr(self.model, key, fields[key])
+            elif mine != fields[key]:
+                raise ValueError(f"model.{key}={mine} differs from the {fields[key]} of the Hugging Face model "
+                                 f"train.init_from names (leave it unset)")
 
     def _fit_vocab(self) -> None:
         """model.vocab_size from data.tokenizer when unset; a vocabulary smaller than the tokenizer is refused."""

@@ -29,6 +29,11 @@ def _unicode_to_byte() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
+def byte_symbols() -> list[str]:
+    """The symbol byte-level BPE writes for each byte 0..255 (GPT-2's bytes_to_unicode), in byte order."""
+    return [ch for ch, _ in sorted(_unicode_to_byte().items(), key=lambda kv: kv[1])]
+
+
 class BPETokenizer:
     """A byte-level BPE of Hugging Face `tokenizers`, with the interface of ByteTokenizer."""
 
