@@ -8,6 +8,7 @@ import typer
 
 from . import bench_cmd, cache_cmd, ckpt_cmd, cluster_cmd, config_cmd, data_cmd, jobs_cmd
 from .generate_cmd import generate
+from .plan_cmd import plan_cmd
 from .report_cmd import report, runs_app
 from .serve_cmd import serve
 from .train_cmd import train_cmd
@@ -28,6 +29,7 @@ app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(cache_cmd.app, name="cache")
 app.add_typer(ckpt_cmd.app, name="ckpt")
 app.command("report")(report)
+app.command("plan")(plan_cmd)
 app.add_typer(runs_app, name="runs")
 
 

@@ -1,0 +1,94 @@
+"""`cs3 plan`: memory per worker, workers needed, checkpoint, traffic and time for a model shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from cs3ray.errors import UserError
+from cs3ray.ops.planner import GB, SCENARIOS, SHAPES, PlanInput, plan, scenario_notes, shape
+
+from .common import JsonOpt, console, err_console, user_errors
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:,.2f} GB"
+
+
+@user_errors
+def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named shape: {', '.join(SHAPES)}."),
+             scenario: Optional[str] = typer.Option(None, "--scenario", help=f"A published scenario worked out: "
+                                                    f"{', '.join(SCENARIOS)} (sets the model and its figures)."),
+             params: Optional[float] = typer.Option(None, "--params", help="Parameter count (e.g. 13e9); needs --layers and --hidden."),
+             layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Transformer blocks."),
+             hidden: Optional[int] = typer.Option(None, "--hidden", min=8, help="Width of the residual stream."),
+             heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads (default hidden/128)."),
+             kv_heads: Optional[int] = typer.Option(None, "--kv-heads", min=1, help="Key/value heads (default: heads)."),
+             ffn: Optional[int] = typer.Option(None, "--ffn", min=8, help="SwiGLU hidden width (default 8/3 hidden)."),
+             vocab: int = typer.Option(32000, "--vocab", min=8, help="Vocabulary size."),
+             precision: str = typer.Option("bf16", "--precision", help="Compute precision: fp32, bf16 or fp16."),
+             workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Workers (default: the fewest that fit)."),
+             device_mem: float = typer.Option(80.0, "--device-mem", min=0.001, help="Memory of one worker's device, GB."),
+             flops: Optional[float] = typer.Option(None, "--flops", min=0.001, help="Dense peak of one device, TFLOP/s "
+                                                   "(default: an H100's, 989 in bf16/fp16, 67 in fp32)."),
+             bandwidth: float = typer.Option(50.0, "--bandwidth", min=0.001, help="Network bandwidth of one worker, GB/s."),
+             write_bandwidth: float = typer.Option(2.0, "--write-bandwidth", min=0.001, help="Storage write bandwidth of one worker, GB/s."),
+             strategy: str = typer.Option("fsdp", "--strategy", help="ddp, zero1 or fsdp."),
+             tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree."),
+             codec: str = typer.Option("none", "--codec", help="Gradient compression: none, bf16, int8, int4_sparse."),
+             density: float = typer.Option(0.1, "--density", min=0.0001, max=1.0, help="int4_sparse: share of values sent."),
+             seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Tokens per sequence (default: the shape's context)."),
+             micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Sequences per worker per forward."),
+             global_batch: Optional[int] = typer.Option(None, "--global-batch", min=1, help="Sequences per optimizer step."),
+             ac: bool = typer.Option(False, "--ac", help="Activation checkpointing."),
+             tokens: Optional[float] = typer.Option(None, "--tokens", min=1, help="Tokens to train on (for days_to_train)."),
+             mfu: float = typer.Option(0.4, "--mfu", min=0.001, max=1.0, help="Model FLOPs utilisation to assume."),
+             as_json: bool = JsonOpt) -> None:
+    """Plan a training run: bytes per worker, the fewest workers that fit, checkpoint size and write time,
+    bytes sent per step (with and without a codec), step time, tokens/s and days to train."""
+    notes: list[str] = []
+    if scenario is not None:
+        if scenario not in SCENARIOS:
+            raise UserError(f"unknown scenario '{scenario}': use one of {', '.join(SCENARIOS)}")
+        given = SCENARIOS[scenario]
+        model, strategy, precision = given["model"], given["strategy"], given["precision"]
+        workers = workers or given.get("workers")
+        tokens = tokens or given.get("tokens")
+        global_batch, seq_len = global_batch or given.get("global_batch"), seq_len or given.get("seq_len")
+        notes = scenario_notes(scenario)
+    if model is not None and (params or layers or hidden):
+        raise UserError("give either --model or --params/--layers/--hidden, not both")
+    if codec not in ("none", "bf16", "int8", "int4_sparse"):
+        raise UserError(f"unknown codec '{codec}': use none, bf16, int8 or int4_sparse")
+    args, count = shape(model, int(params) if params else None, layers, hidden, heads, kv_heads, ffn, vocab,
+                        seq_len or 4096)
+    r = plan(PlanInput(args, count, precision=precision, strategy=strategy, tp=tp, workers=workers,
+                       device_mem_gb=device_mem, tflops=flops, bandwidth_gbs=bandwidth, codec=codec, density=density,
+                       seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+                       activation_checkpointing=ac, tokens=tokens, mfu=mfu, write_gbs=write_bandwidth, model=model))
+    r.notes = notes + r.notes
+    w = r.per_worker
+    table = Table("", "per worker", title=f"{model or 'custom'}: {r.params / 1e9:,.2f} B parameters, {r.strategy}, "
+                                          f"tp {r.tp}, {r.precision}, {r.workers:,} workers")
+    for label, value in (("parameters (fp32)", w.param_bytes), ("gradients (fp32)", w.grad_bytes),
+                         ("optimizer (AdamW, fp32)", w.optimizer_bytes), ("model state", w.model_state_bytes),
+                         ("compression residuals", w.residual_bytes), ("activations", w.activation_bytes),
+                         ("fsdp gather buffer", w.gather_bytes), ("total", w.total_bytes)):
+        table.add_row(label, _gb(value))
+    shown = err_console if as_json else console
+    shown.print(table)
+    fit = f"{r.min_workers_to_fit:,}" if r.min_workers_to_fit else "none"
+    lines = [f"fits in {device_mem:g} GB: {'yes' if r.fits else 'no'}; fewest workers that fit: {fit}",
+             f"checkpoint: {_gb(r.checkpoint_bytes)}, written in {r.checkpoint_write_s:,.1f} s at {write_bandwidth:g} GB/s a worker",
+             f"sent per step and worker: {_gb(r.comm_bytes_per_step)} ({_gb(r.comm_bytes_per_step_uncompressed)} "
+             f"uncompressed), {r.comm_time_s:,.2f} s at {bandwidth:g} GB/s",
+             f"step: {r.tokens_per_step:,} tokens in {r.step_time_s:,.2f} s at MFU {mfu:g} -> {r.tokens_per_s:,.0f} tokens/s"]
+    if r.days_to_train is not None:
+        lines.append(f"{tokens:,.3g} tokens take {r.days_to_train:,.1f} days")
+    for line in lines + [f"note: {n}" for n in r.notes]:
+        shown.print(line, highlight=False)
+    if as_json:
+        print(json.dumps(r.to_dict()))

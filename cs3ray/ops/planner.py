@@ -1,0 +1,297 @@
+"""Capacity planning from a model's shape alone: memory per worker, workers needed, checkpoint, traffic, time.
+
+The model-state figures are cs3ray's own layout, not a generic rule: parameters and gradients
+stay fp32 whatever precision computes (autocast over fp32 master weights) and AdamW keeps two
+fp32 moments, so a parameter costs 4 + 4 + 8 = 16 bytes, as mixed-precision Adam does in the
+ZeRO paper (which splits it 2 + 2 + 12). The strategies divide them as cs3ray's do: ddp keeps
+all of it on every worker, zero1 shards the optimizer state, fsdp shards all three; tensor
+parallelism divides everything by tp first. Activation bytes are an estimate (Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4, without the
+s x s attention scores that fused attention kernels never keep), and so
+are times: they follow from the FLOPs, the MFU and the bandwidth you give.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cs3ray.core.compress.codec import make_codec
+from cs3ray.errors import UserError
+from cs3ray.models.flops import param_count, train_flops_per_token
+from cs3ray.models.presets import PRESETS
+from cs3ray.models.transformer import ModelArgs
+
+GB = 1e9
+# A 24-trillion-parameter shape: 542 blocks of width 65536 (128-wide heads, grouped-query
+# attention with 16 key/value heads, a SwiGLU MLP of 2.75x the width), Llama 3's vocabulary.
+SHAPES: dict[str, ModelArgs] = {**PRESETS, "24t": ModelArgs(
+    dim=65536, n_layers=542, n_heads=512, n_kv_heads=16, ffn_dim=180224, vocab_size=128256, max_seq_len=8192,
+    rope_theta=500000.0, tie_embeddings=False)}
+STATE_BYTES = {"param": 4, "grad": 4, "optimizer": 8}  # fp32 master weights, fp32 gradients, AdamW m and v
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# A GPU's dense peak by compute precision when --flops is not given (an H100 SXM: 989 TF bf16/fp16, 67 TF fp32).
+DEFAULT_TFLOPS = {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}
+
+
+@dataclass
+class PlanInput:
+    args: ModelArgs
+    params: int
+    precision: str = "bf16"
+    strategy: str = "fsdp"
+    tp: int = 1
+    workers: int | None = None
+    device_mem_gb: float = 80.0
+    tflops: float | None = None
+    bandwidth_gbs: float = 50.0
+    codec: str = "none"
+    density: float = 0.1
+    error_feedback: bool = True
+    seq_len: int | None = None
+    micro_batch: int = 1
+    global_batch: int | None = None  # sequences per optimizer step; default: one micro-batch per data-parallel rank
+    activation_checkpointing: bool = False
+    tokens: float | None = None
+    mfu: float = 0.4
+    write_gbs: float = 2.0  # storage write bandwidth of one worker, GB/s
+    model: str | None = None
+
+
+@dataclass
+class PerWorker:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    model_state_bytes: int
+    residual_bytes: int
+    activation_bytes: int
+    gather_bytes: int
+    total_bytes: int
+
+
+@dataclass
+class Plan:
+    model: str | None
+    params: int
+    precision: str
+    strategy: str
+    tp: int
+    workers: int
+    fits: bool
+    per_worker: PerWorker
+    min_workers_to_fit: int | None
+    device_mem_bytes: int
+    checkpoint_bytes: int
+    checkpoint_write_s: float
+    comm_bytes_per_step: int
+    comm_bytes_per_step_uncompressed: int
+    comm_time_s: float
+    tokens_per_step: int
+    flops_per_token: float
+    step_time_s: float
+    tokens_per_s: float
+    days_to_train: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shape(model: str | None = None, params: int | None = None, layers: int | None = None,
+          hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+          ffn: int | None = None, vocab: int = 32000, seq_len: int = 4096) -> tuple[ModelArgs, int]:
+    """A named shape, or one built from the given sizes; (shape, parameter count)."""
+    if model is not None:
+        if model not in SHAPES:
+            raise UserError(f"unknown model '{model}': use one of {', '.join(SHAPES)}, or --params with --layers and --hidden")
+        args = SHAPES[model]
+        return args, param_count(args)
+    if layers is None or hidden is None:
+        raise UserError("give --model, or --layers and --hidden (with --params if the count is known)")
+    heads = heads or max(1, hidden // 128)
+    if hidden % heads:
+        raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
+    # The SwiGLU width Llama uses: 8/3 of the hidden size, rounded up to a multiple of 256.
+    ffn = ffn or 256 * math.ceil(hidden * 8 / 3 / 256)
+    args = ModelArgs(dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
+                     vocab_size=vocab, max_seq_len=seq_len, tie_embeddings=False)
+    return args, params or param_count(args)
+
+
+def _block_params(args: ModelArgs) -> int:
+    hd = args.head_dim
+    return args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.ffn_dim + 2 * args.dim
+
+
+def per_worker(p: PlanInput, workers: int) -> PerWorker:
+    """Bytes one worker holds at the peak of a step with `workers` workers in all."""
+    dp = max(1, workers // p.tp)
+    shard = p.params / p.tp  # what one tensor-parallel rank owns before data-parallel sharding
+    param = shard / dp if p.strategy == "fsdp" else shard
+    grad = shard / dp if p.strategy == "fsdp" else shard
+    optim = shard / dp if p.strategy in ("fsdp", "zero1") else shard
+    param, grad, optim = (int(param * STATE_BYTES["param"]), int(grad * STATE_BYTES["grad"]),
+                          int(optim * STATE_BYTES["optimizer"]))
+    residual = 0
+    if p.codec != "none" and p.error_feedback and dp > 1:
+        # Error feedback keeps fp32 residuals: the gradient and one reduced chunk under ddp/zero1,
+        # a whole unsharded gradient under fsdp (see compression.error_feedback).
+        residual = int(4 * shard * (1 if p.strategy == "fsdp" else 1 + 1 / dp))
+    # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
+    gather = 0
+    if p.strategy == "fsdp" and dp > 1:
+        unit = max(_block_params(p.args), p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2))
+        gather = int(unit / p.tp * (ELEMENT_BYTES[p.precision] + 4))
+    act = activation_bytes(p)
+    state = param + grad + optim
+    return PerWorker(param, grad, optim, state, residual, act, gather, state + residual + act + gather)
+
+
+def activation_bytes(p: PlanInput) -> int:
+    """Activations kept for backward by one worker's micro-batch (an estimate, see the module doc)."""
+    a, s, b = p.args, p.seq_len or p.args.max_seq_len, p.micro_batch
+    h, e = a.dim, ELEMENT_BYTES[p.precision]
+    # Per block, 16-bit: 34*s*b*h bytes, tensor parallelism dividing all of it (sequence parallel);
+    # scaled by the element size for fp32.
+    block = 34 * s * b * h * e / 2 / p.tp
+    if p.activation_checkpointing:  # block inputs are kept, one block's activations are recomputed at a time
+        layers = a.n_layers * s * b * h * e / p.tp + block
+    else:
+        layers = a.n_layers * block
+    logits = s * b * a.vocab_size * 4 / p.tp  # fp32 logits for the loss
+    return int(layers + logits)
+
+
+def min_workers_to_fit(p: PlanInput, limit: int = 1 << 24) -> int | None:
+    """The fewest workers (a multiple of tp) whose per-worker peak fits in device memory; None if none does."""
+    cap = p.device_mem_gb * GB
+
+    def fits(n: int) -> bool:
+        return per_worker(p, n).total_bytes <= cap
+
+    if fits(p.tp):
+        return p.tp
+    if p.strategy == "ddp" or not fits(limit * p.tp):
+        return None  # nothing shrinks with more ddp workers; or it never fits
+    lo, hi = 1, limit  # in units of tp: fits(hi * tp), not fits(lo * tp)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * p.tp) else (mid, hi)
+    return hi * p.tp
+
+
+def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
+    """Bytes one worker sends per optimizer step for data- and tensor-parallel communication."""
+    dp, a = max(1, workers // p.tp), p.args
+    shard = math.ceil(p.params / p.tp)
+    accum = max(1, (p.global_batch or p.micro_batch * dp) // (p.micro_batch * dp))  # micro-batches a step
+    out = 0
+    if dp > 1:
+        frac = (dp - 1) / dp
+        if codec != "none":
+            # The two-phase compressed all-reduce: 2(n-1) chunks of 1/n of the gradient, encoded.
+            out += 2 * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
+        elif p.strategy == "fsdp":
+            # Parameters gathered in forward and again in backward for every micro-batch; gradients
+            # reduce-scattered in fp32 once a step (the sync is held back during accumulation).
+            out += int(frac * shard * (2 * accum * ELEMENT_BYTES[p.precision] + 4))
+        else:
+            out += int(2 * frac * shard * 4)  # a ring all-reduce of fp32 gradients
+        if p.strategy == "zero1":
+            out += int(frac * shard * 4)  # each rank's updated parameters broadcast to the others
+    if p.tp > 1:
+        # Two all-reduces of the activations per block in forward and two in backward.
+        s = p.seq_len or a.max_seq_len
+        out += int(accum * 4 * a.n_layers * 2 * (p.tp - 1) / p.tp * s * p.micro_batch * a.dim
+                   * ELEMENT_BYTES[p.precision])
+    return out
+
+
+def plan(p: PlanInput) -> Plan:
+    """Every figure of the plan for `p` (workers: as given, else the fewest that fit)."""
+    if p.strategy not in ("ddp", "zero1", "fsdp"):
+        raise UserError(f"unknown strategy '{p.strategy}': use ddp, zero1 or fsdp")
+    if p.precision not in ELEMENT_BYTES:
+        raise UserError(f"unknown precision '{p.precision}': use fp32, bf16 or fp16")
+    if p.workers is not None and p.workers % p.tp:
+        raise UserError(f"--workers {p.workers} is not a multiple of --tp {p.tp}")
+    fit = min_workers_to_fit(p)
+    workers = p.workers or fit or p.tp
+    mem = per_worker(p, workers)
+    dp = workers // p.tp
+    s = p.seq_len or p.args.max_seq_len
+    global_batch = p.global_batch or p.micro_batch * dp
+    tokens_per_step = global_batch * s
+    flops_per_token = train_flops_per_token(p.args, s) * p.params / param_count(p.args)
+    tflops = p.tflops or DEFAULT_TFLOPS[p.precision]
+    step_time = tokens_per_step * flops_per_token / (workers * tflops * 1e12 * p.mfu)
+    tokens_per_s = tokens_per_step / step_time
+    ckpt = p.params * (STATE_BYTES["param"] + STATE_BYTES["optimizer"])  # weights and AdamW moments, fp32
+    sent = comm_bytes(p, workers, p.codec)
+    plan_ = Plan(
+        model=p.model, params=p.params, precision=p.precision, strategy=p.strategy, tp=p.tp, workers=workers,
+        fits=mem.total_bytes <= p.device_mem_gb * GB, per_worker=mem, min_workers_to_fit=fit,
+        device_mem_bytes=int(p.device_mem_gb * GB), checkpoint_bytes=ckpt,
+        # DCP splits the write across workers (replicated tensors are written once), all at once.
+        checkpoint_write_s=ckpt / workers / (p.write_gbs * GB),
+        comm_bytes_per_step=sent, comm_bytes_per_step_uncompressed=comm_bytes(p, workers, "none"),
+        comm_time_s=sent / (p.bandwidth_gbs * GB), tokens_per_step=tokens_per_step,
+        flops_per_token=flops_per_token, step_time_s=step_time, tokens_per_s=tokens_per_s,
+        days_to_train=p.tokens / tokens_per_s / 86400 if p.tokens else None)
+    plan_.notes = _notes(p, plan_)
+    return plan_
+
+
+def _notes(p: PlanInput, r: Plan) -> list[str]:
+    notes = []
+    if not r.fits:
+        need = "never fits with ddp (it does not shard)" if p.strategy == "ddp" else (
+            f"needs at least {r.min_workers_to_fit} workers" if r.min_workers_to_fit else "does not fit at any size")
+        notes.append(f"{r.per_worker.total_bytes / GB:,.1f} GB per worker does not fit in {p.device_mem_gb:g} GB: {need}")
+    if r.comm_time_s > r.step_time_s:
+        notes.append(f"sending {r.comm_bytes_per_step / GB:,.2f} GB per step takes {r.comm_time_s:,.2f} s at "
+                     f"{p.bandwidth_gbs:g} GB/s, longer than the {r.step_time_s:,.2f} s of compute at MFU "
+                     f"{p.mfu:g}: that MFU is out of reach unless the traffic shrinks (a codec, a larger batch)")
+    return notes
+
+
+def scenario_notes(name: str) -> list[str]:
+    """What the published figures of a named scenario can and cannot mean, worked out with this planner."""
+    if name == "24t-2048":
+        args = SHAPES["24t"]
+        n = param_count(args)
+        state = 16 * n
+        return [
+            f"the 24t shape has {n / 1e12:.2f} T parameters; with mixed-precision Adam its model state is "
+            f"{state / 1e12:,.0f} TB (16 bytes a parameter), {state / 2048 / GB:,.0f} GB on each of 2048 shards",
+            f"'480 TB' is 20 bytes a parameter ({480e12 / n:.1f}): the 16 bytes of model state plus a 16-bit copy of "
+            f"the weights and of the gradients; it is not the checkpoint (weights + Adam moments in fp32: "
+            f"{12 * n / 1e12:,.0f} TB; the bf16 weights alone: {2 * n / 1e12:,.0f} TB)",
+            f"480 TB over 2048 shards is {480e12 / 2048 / GB:,.0f} GB a shard, more than any single accelerator "
+            f"holds (an H200 has 141 GB): the shards must be host or external memory (weight streaming), not "
+            f"device memory; with 80 GB devices and fsdp the state alone needs {math.ceil(state / (80 * GB)):,} of them",
+        ]
+    if name == "70b-24h":
+        args = SHAPES["70b"]
+        n = param_count(args)
+        tokens = 20 * n  # compute-optimal (Chinchilla): about 20 tokens a parameter
+        flops = train_flops_per_token(args, 4096) * tokens
+        per_gpu = 989e12 * 0.4
+        return [
+            f"70b has {n / 1e9:.1f} B parameters; a compute-optimal run reads ~{tokens / 1e12:.1f} T tokens "
+            f"(20 a parameter), {flops:.2e} FLOPs in all",
+            f"in 24 hours that is {flops / 86400:.2e} FLOP/s: {math.ceil(flops / 86400 / per_gpu):,} accelerators at "
+            f"989 TF and 40% MFU ({flops / 86400 / 1e18:.1f} EFLOP/s sustained); a 24-hour claim on fewer needs "
+            f"fewer tokens (fine-tuning, or an undertrained model) or a far higher sustained rate",
+        ]
+    raise UserError(f"unknown scenario '{name}': use 24t-2048 or 70b-24h")
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # The articles' scenarios as planner inputs: 24T parameters over 2048 fsdp shards; 70B from scratch in 24 hours.
+    "24t-2048": {"model": "24t", "workers": 2048, "strategy": "fsdp", "precision": "bf16"},
+    "70b-24h": {"model": "70b", "strategy": "fsdp", "precision": "bf16", "tokens": 20 * param_count(SHAPES["70b"]),
+                "workers": 18432, "global_batch": 1024, "seq_len": 4096},
+}
