@@ -187,8 +187,24 @@ class ClusterConfig(Section):
                                "state from a survivor.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs each worker reserves; it also sets torch's threads.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use nccl.")
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="How Ray Train places the workers' placement group: 'pack' fills as few nodes as it can "
+                            "(gradient traffic stays inside nodes), 'spread' puts them on as many nodes as it can, "
+                            "'strict_pack' all on one node (or none start), 'strict_spread' each on its own node.")
+    label_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the workers must run on, e.g. {zone: a} (the labels `cs3 up "
+                                          "--labels` or `ray start --labels` give nodes); Ray's operators work too "
+                                          "('!a', 'in(a,b)').")
     num_cpus: int | None = Field(
         None, ge=1, description="Logical CPUs of the embedded Ray cluster (default: enough for workers, data and serving).")
+
+    @field_validator("label_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not key or not value or not isinstance(value, str):
+                raise ValueError(f"label {key!r}: keys and values must be non-empty strings, e.g. {{zone: a}}")
+        return v
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -327,6 +343,9 @@ class JobConfig(Section):
                 raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
                                  f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
         self._check_compression()
+        if tp > 1 and self.cluster.placement in ("spread", "strict_spread"):
+            raise ValueError(f"cluster.placement={self.cluster.placement} scatters workers over nodes, but a "
+                             f"parallel.tp={tp} group must stay on one node: use pack or strict_pack")
         if self.cluster.fault_tolerance == "replicas":
             # Each worker is a replica group of one holding the whole model (torchft's unit of failure).
             if self.parallel.strategy != "ddp" or tp > 1:

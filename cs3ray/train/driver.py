@@ -23,6 +23,8 @@ from cs3ray.ops.metrics import EventLog, RunMetrics
 from cs3ray.ops.run_loggers import RunLogger, check_loggers, close_loggers, observe_all, open_loggers
 from cs3ray.storage import Storage, StorageError, open_url
 
+from .placement import check_placement, scaling_config
+
 log = logging.getLogger(__name__)
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -125,15 +127,6 @@ def _val_rows(cfg: JobConfig, ds: Any) -> Any:
     return check_rows(batch["tokens"], None, cfg.train.seq_len + 1, cfg.model.args().vocab_size, "the dataset")
 
 
-def _scaling(cfg: JobConfig):
-    from ray.train import ScalingConfig
-
-    c = cfg.cluster
-    workers = (c.min_workers, c.max_workers) if c.elastic else c.max_workers
-    return ScalingConfig(num_workers=workers, use_gpu=c.use_gpu, elastic_resize_monitor_interval_s=c.resize_interval_s,
-                         resources_per_worker={"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})})
-
-
 def _torch_config(cfg: JobConfig):
     from ray.train.torch import TorchConfig
 
@@ -215,6 +208,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.
     with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
+        check_placement(cfg, ray.nodes())
         if cfg.checkpoint.memory_tier:
             from cs3ray.ckpt.keeper import start_keepers
 
@@ -235,7 +229,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
             train_loop_config={"job": cfg.model_dump(mode="json"), "run_url": run.url, "shards_url": shards_url,
                                "monitor": monitor, "val_rows": val_rows},
             datasets={"train": dataset} if dataset is not None else None,
-            scaling_config=_scaling(cfg),
+            scaling_config=scaling_config(cfg),
             torch_config=torch_config,
             run_config=RunConfig(name=f"cs3-{cfg.run.name}-{int(started)}",
                                  failure_config=FailureConfig(max_failures=cfg.cluster.max_failures)),

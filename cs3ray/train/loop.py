@@ -222,7 +222,7 @@ class Worker:
         cfg, t, p = self.cfg, self.cfg.train, self.progress
         tokens_per_step = self.plan.global_samples * t.seq_len
         self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
-                    nodes=len(set(self.topo.node_ids)), tp=self.topo.tp, strategy=cfg.parallel.strategy,
+                    nodes=len(set(self.topo.node_ids)), node_ids=list(self.topo.node_ids), tp=self.topo.tp, strategy=cfg.parallel.strategy,
                     peak_flops=self.peak_flops, threads=self.threads, precision=self.core.precision, pids=_all_gather(os.getpid()),
                     # Each rank's training thread's niceness: Ray starts workers at nice 15 (docs/operations.md).
                     nice=_all_gather(os.getpriority(os.PRIO_PROCESS, 0)),

@@ -81,14 +81,15 @@ def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | No
 
 
 @contextlib.contextmanager
-def simulated_nodes(count: int = 2, num_cpus: int = 1) -> Iterator:
-    """A `ray.cluster_utils.Cluster` of `count` simulated nodes of `num_cpus` each (the first is the head);
-    nodes are SIGKILLed at the end: a graceful stop takes ~30 s here and nothing needs it."""
+def simulated_nodes(count: int = 2, num_cpus: int = 1, labels: list[dict[str, str]] | None = None) -> Iterator:
+    """A `ray.cluster_utils.Cluster` of `count` simulated nodes of `num_cpus` each (the first is the head), node i
+    with `labels[i]`; nodes are SIGKILLed at the end: a graceful stop takes ~30 s here and nothing needs it."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
-    for _ in range(count - 1):
-        cluster.add_node(num_cpus=num_cpus)
+    labels = labels or [{}] * count
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "labels": labels[0]})
+    for i in range(1, count):
+        cluster.add_node(num_cpus=num_cpus, labels=labels[i])
     cluster.wait_for_nodes()
     try:
         yield cluster
