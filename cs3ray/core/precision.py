@@ -113,7 +113,15 @@ class LossScaler:
         return finite
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps, self.skipped = state["scale"], state["clean_steps"], state["skipped"]
+        """Continue a saved scaler; a checkpoint of another precision keeps this one's own scale.
+
+        An fp32 or bf16 run saves scale 1 (no scaling): resumed in fp16 that would train unscaled
+        until the scale grew back, so only an fp16 run's scale is taken over. Checkpoints older
+        than the `enabled` entry were scaled exactly when their scale is not 1.
+        """
+        self.skipped = state["skipped"]
+        if self.enabled and state.get("enabled", state["scale"] != 1.0):
+            self.scale, self.clean_steps = state["scale"], state["clean_steps"]

@@ -1,6 +1,6 @@
 """A run's metrics on Ray's Prometheus endpoint: the session head's `--metrics-export-port` text parses with
 prometheus_client's parser and holds every cs3_train gauge while `cs3 train` runs against the head, restore
-and compression figures included once a resumed run resizes to 2 workers with int8 gradients."""
+and compression figures included once a resumed run resizes to 2 workers with int8 gradients (fp32, then fp16)."""
 
 from __future__ import annotations
 
@@ -62,10 +62,12 @@ def test_metrics_endpoint_holds_the_runs_gauges(ray_head, tmp_path):
     assert first["ray_cs3_train_step"] == 3 and first["ray_cs3_train_restarts"] == 0
     assert first["ray_cs3_train_grad_norm"] > 0 and first["ray_cs3_train_checkpoint_save_s"] > 0
 
-    # Resumed on 2 workers with int8 gradients: a restore, and bytes on the wire.
-    second = watch([*base, "--resume", "train.steps=6", "cluster.workers=2", "compression.codec=int8"],
+    # Resumed on 2 workers with int8 gradients in fp16 (a checkpoint loads in any precision): a restore, bytes
+    # on the wire and a loss scale.
+    second = watch([*base, "--resume", "train.steps=6", "cluster.workers=2", "compression.codec=int8", "precision=fp16"],
                    ray_head.env(), ray_head.metrics_url, "metered", names)
     assert names <= second.keys(), sorted(names - second.keys())
     assert second["ray_cs3_train_step"] == 6 and second["ray_cs3_train_workers"] == 2
     assert second["ray_cs3_train_checkpoint_restore_s"] > 0
     assert 0 < second["ray_cs3_train_wire_ratio"] < 0.5 and second["ray_cs3_train_comm_bytes_per_step"] > 0
+    assert second["ray_cs3_train_loss_scale"] > 1 and first["ray_cs3_train_loss_scale"] == 1

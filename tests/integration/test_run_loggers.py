@@ -15,7 +15,7 @@ from conftest import ROOT, run_cs3
 
 SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128", "train.seq_len=32",
          "train.batch_size=4", "train.steps=4", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=2",
-         "train.eval_batches=1", "checkpoint.every=2", "cluster.workers=1", "data.max_bytes=200000", "precision=fp32"]
+         "train.eval_batches=1", "checkpoint.every=2", "cluster.workers=1", "data.max_bytes=200000", "precision=bf16"]
 
 
 def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
@@ -55,7 +55,7 @@ def test_a_run_logs_to_tensorboard_and_mlflow(ray_head, tmp_path, monkeypatch):
     client = mlflow.tracking.MlflowClient(f"file://{store}")
     (run,) = client.search_runs([client.get_experiment_by_name("cs3-test").experiment_id])
     assert run.info.run_name == "logged" and run.info.status == "FINISHED"
-    assert run.data.params["train.steps"] == "4" and run.data.params["precision"] == "fp32"
+    assert run.data.params["train.steps"] == "4" and run.data.params["precision"] == "bf16"
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in losses] == [1, 2, 3, 4]
     assert [m.value for m in losses] == pytest.approx([v for _, v in scalars["cs3/loss"]], rel=1e-6)
