@@ -10,7 +10,7 @@ import os
 import re
 from typing import Callable
 
-from cs3ray.config import resolve_run
+from cs3ray.config import open_run, resolve_run
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .locations import list_steps, open_folder, step_dir
@@ -36,10 +36,8 @@ def list_checkpoints(run: str, storage_options: dict | None = None) -> dict:
     {"run": url, "checkpoints": [{"step", "world_size", "bytes_total", "bytes_written", "chunks",
     "created", "url"}, ...]}; a run that does not exist is a CheckpointError.
     """
-    storage = open_url(resolve_run(run), storage_options)
+    storage = open_run(run, storage_options, CheckpointError)
     try:
-        if not storage.exists():
-            raise CheckpointError(f"run '{run}' does not exist (looked at '{storage.url}').")
         steps = list_steps(storage)
     except StorageError as exc:
         raise CheckpointError(str(exc)) from None

@@ -12,9 +12,9 @@ from .loader import (
                      to_yaml,
 )
 from .redact import redact_config, redact_options
-from .runs import resolve_run, run_dir
+from .runs import open_run, resolve_run, run_dir
 from .schema import JobConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "build_config", "config_hash", "explain",
-           "load_config", "redact_config", "redact_config_text", "redact_options", "resolve_run", "run_dir",
-           "runtime_storage_options", "to_yaml"]
+           "load_config", "open_run", "redact_config", "redact_config_text", "redact_options", "resolve_run",
+           "run_dir", "runtime_storage_options", "to_yaml"]

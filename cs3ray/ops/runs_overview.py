@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cs3ray.ckpt import list_steps, step_dir
-from cs3ray.config.runs import resolve_run
+from cs3ray.config.runs import open_run
 from cs3ray.errors import UserError
 from cs3ray.storage import Storage, StorageError, open_url
 
@@ -118,10 +118,8 @@ def read_run(storage: Storage) -> RunRecord:
 
 def load_run(run: str, storage_options: dict | None = None) -> RunRecord:
     """The run named `run` (a name under runs/, a path or a URL); a missing or event-less run is a RunError."""
-    storage = open_url(resolve_run(run), storage_options)
+    storage = open_run(run, storage_options, RunError)
     try:
-        if not storage.exists():
-            raise RunError(f"run '{run}' does not exist (looked at '{storage.url}').")
         record = read_run(storage)
     except StorageError as exc:
         raise RunError(str(exc)) from None
