@@ -181,6 +181,8 @@ class TrainStream:
                             f"{self.world} workers x train.batch_size {batch_size}; use more data or smaller batches.")
         self.base = self._start(position)
         self.consumed = 0  # micro-batches this stream has produced
+        # Rows of each rank's micro-batch when they differ (train.balance); None: batch_size each.
+        self.shares: list[int] | None = None
         self.transform_spec = transform
         self._trace = TraceWriter(open_url(trace_url, storage_options)) if trace_url else None
         self._open(source, entries, cache_cfg, local_rank == 0)
@@ -219,6 +221,22 @@ class TrainStream:
         """Global sample offset after the micro-batches produced so far (equal on every rank)."""
         return self.base + self.consumed * self.world * self.batch_size
 
+    def reshare(self, shares: list[int] | None) -> None:
+        """From the next micro-batch on, rank r takes shares[r] of every micro-batch's world x batch_size
+        samples (in rank order: the same samples in the same global order, split differently); None: equal."""
+        if shares is not None and (len(shares) != self.world or sum(shares) != self.world * self.batch_size
+                                   or min(shares) < 1):
+            raise ValueError(f"shares {shares} must give each of {self.world} ranks at least one row and add up "
+                             f"to {self.world * self.batch_size}")
+        self.base, self.consumed = self.position, 0
+        self.shares = None if shares is None or len(set(shares)) == 1 else list(shares)
+
+    def _mine(self) -> tuple[int, int]:
+        """(offset in the micro-batch, rows) of this rank's part."""
+        if self.shares is None:
+            return self.rank * self.batch_size, self.batch_size
+        return sum(self.shares[:self.rank]), self.shares[self.rank]
+
     def seek(self, samples: int, rank: int | None = None, world: int | None = None,
              batch_size: int | None = None) -> None:
         """Continue at global sample offset `samples` as `rank` of `world` with micro-batches of `batch_size`
@@ -231,6 +249,8 @@ class TrainStream:
         if self._trace is not None:
             self._trace.drop()  # drawn for a step that did not complete (or nothing)
         if (samples, rank, world, batch_size) != (self.position, self.rank, self.world, self.batch_size):
+            if (world, batch_size) != (self.world, self.batch_size):
+                self.shares = None  # shares are per rank of this layout
             self.base, self.consumed, self.rank, self.world, self.batch_size = samples, 0, rank, world, batch_size
 
     def __iter__(self) -> "TrainStream":
@@ -238,9 +258,10 @@ class TrainStream:
 
     def __next__(self) -> np.ndarray:
         t0 = time.perf_counter()
-        start = self.position + self.rank * self.batch_size
+        offset, rows = self._mine()
+        start = self.position + offset
         self._prefetch(self.position)
-        ids = self.order.ids(start, start + self.batch_size)
+        ids = self.order.ids(start, start + rows)
         if self._trace is not None:
             self._trace.add(ids)
         batch = gather(self.order, ids, self._shard)
