@@ -117,6 +117,13 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Steps between metric reports.")
     compile: bool = Field(False, description="torch.compile each transformer block (kernel fusion).")
     activation_checkpointing: bool = Field(False, description="Recompute block activations in backward to save memory.")
+    balance: bool = Field(
+        False, description="Dynamic load balancing: when data-parallel ranks are persistently uneven (a slower node), "
+                           "re-split each micro-batch in proportion to each rank's measured compute speed, so all "
+                           "finish together; the global batch, its samples and their order stay the same, and "
+                           "gradients are weighted by the rows each rank took, so the update is the balanced step's.")
+    balance_every: int = Field(5, ge=1, description="train.balance: steps per measuring window (a re-split needs two "
+                                                    "windows in a row that agree).")
 
 
 class ParallelConfig(Section):
@@ -343,6 +350,7 @@ class JobConfig(Section):
                 raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
                                  f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
         self._check_compression()
+        self._check_balance()
         if tp > 1 and self.cluster.placement in ("spread", "strict_spread"):
             raise ValueError(f"cluster.placement={self.cluster.placement} scatters workers over nodes, but a "
                              f"parallel.tp={tp} group must stay on one node: use pack or strict_pack")
@@ -395,6 +403,17 @@ class JobConfig(Section):
         if vocab < tok.vocab_size:
             raise ValueError(f"model.vocab_size={vocab} is smaller than the {tok.describe()} tokenizer's "
                              f"{tok.vocab_size} ids (leave it unset for {padded_vocab(tok)})")
+
+    def _check_balance(self) -> None:
+        """train.balance re-splits the direct loader's micro-batches of a fixed-size group, measured on CPU workers."""
+        if not self.train.balance:
+            return
+        refused = {"data.loader=ray_data": self.data.loader == "ray_data",
+                   "cluster.fault_tolerance=replicas": self.cluster.fault_tolerance == "replicas",
+                   "cluster.use_gpu (its compute time is measured on CPU workers only)": self.cluster.use_gpu}
+        for what, bad in refused.items():
+            if bad:
+                raise ValueError(f"train.balance cannot be used with {what}")
 
     def _check_compression(self) -> None:
         c = self.compression

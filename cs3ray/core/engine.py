@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -81,6 +82,9 @@ class ComputeCore:
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
         self.grad_norm: float | None = None  # before clipping, of the last applied step (train.clip > 0)
+        # train.balance: this rank's rows / the data-parallel mean rows, and the CPU seconds of its steps so far.
+        self.sample_weight = 1.0
+        self.busy_s = 0.0
 
     def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
         ctx = autocast(self.precision, self.device) if self.autocast else contextlib.nullcontext()
@@ -111,6 +115,7 @@ class ComputeCore:
         t = self.cfg.train
         set_lr(self.optimizer, lr)
         total = 0.0
+        busy = time.thread_time()
         for micro in range(self.grad_accum):
             last = micro == self.grad_accum - 1
             if last and hasattr(self.model, "set_requires_gradient_sync"):
@@ -118,8 +123,11 @@ class ComputeCore:
             x = torch.as_tensor(next_batch(), device=self.device)
             with self._no_sync(last):
                 loss = self._forward_loss(x) / self.grad_accum
-                self.scaler.scale_loss(loss).backward()
+                # The data-parallel mean of weighted losses is the global batch's mean (train.balance).
+                self.scaler.scale_loss(loss * self.sample_weight).backward()
             total += float(loss.detach())
+        # This thread's CPU time, not the wall's: a wait for slower ranks in a collective is no work.
+        self.busy_s += time.thread_time() - busy
         if self.sync_grads is not None:
             self.sync_grads(self.params)
         ok = self.scaler.unscale_and_check(self.params)

@@ -111,6 +111,9 @@ def _check_dataset_config(cfg: JobConfig, resume: bool) -> None:
     if cfg.data.loader != "direct" or cfg.data.transform:
         raise UserError("data.loader and data.transform apply to shard sets; with your own Ray Dataset, "
                         "transform it with Ray Data (map_batches) before passing it.")
+    if cfg.train.balance:
+        raise UserError("train.balance re-splits the shard set's global batches between ranks; Ray Data's "
+                        "streaming_split of your own Dataset cannot be re-split: train on a shard set.")
     if resume:
         log.warning("%s.", RESTART_WARNING)
 

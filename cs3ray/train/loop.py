@@ -29,6 +29,7 @@ from cs3ray.data.stream import TrainStream
 from cs3ray.models import load_tokenizer, train_flops_per_token
 from cs3ray.storage import open_url
 
+from .balance import Balancer
 from .elastic import plan_batch
 from .replicas import ReplicaSync, load_in_place
 
@@ -239,6 +240,8 @@ class Worker:
         first_step = p.step
         tracked = False  # this log window holds the step measured for peak memory
         participants = self.world
+        balancer = Balancer([self.plan.micro_batch] * self.topo.dp) if t.balance and self.topo.dp > 1 else None
+        self._balance_mark = (time.perf_counter(), self.core.busy_s, p.step)
         while p.step < t.steps:
             t0 = time.perf_counter()
             if self.sync is not None:
@@ -257,7 +260,8 @@ class Worker:
                     continue
                 loss_sum, stop = (v * participants for v in self.sync.average([loss, stop_flag]))
             else:
-                loss_sum, stop = _all_reduce([loss, stop_flag], self.device)
+                # Weighted by the rows each rank took (train.balance; 1 on every rank otherwise).
+                loss_sum, stop = _all_reduce([loss * self.core.sample_weight, stop_flag], self.device)
             p.step += 1
             # One rank per tensor-parallel group traces: its ranks read the same samples.
             self.stream.trace_step(p.step, write=self.topo.tp_rank == 0)
@@ -278,6 +282,8 @@ class Worker:
                             loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
                             cache=self.stream.cache_counters())
                 window_t, window_steps, tracked = time.perf_counter(), 0, False
+            if balancer is not None and p.step % t.balance_every == 0:
+                self._rebalance(balancer)
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
                 self._event("eval", step=p.step, val_loss=p.val_loss)
@@ -303,6 +309,26 @@ class Worker:
         self._event("end", memory=memory, comm=comm, **final)
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
+
+    def _rebalance(self, balancer: Balancer) -> None:
+        """End of a balance window: every rank's CPU-busy seconds and rows; re-split when the balancer says so."""
+        wall0, busy0, step0 = self._balance_mark
+        wall, busy = time.perf_counter() - wall0, self.core.busy_s - busy0
+        steps = self.progress.step - step0
+        self._balance_mark = (time.perf_counter(), self.core.busy_s, self.progress.step)
+        shares = balancer.shares
+        rows = shares[self.topo.dp_rank] * self.plan.grad_accum * steps
+        # One entry per data-parallel rank: the ranks of a tensor-parallel group take the same rows.
+        seen = sorted((r, b, n) for r, t, b, n in _all_gather((self.topo.dp_rank, self.topo.tp_rank, busy, rows))
+                      if t == 0)
+        busy_s, rows_seen = [b for _, b, _ in seen], [n for _, _, n in seen]
+        new = balancer.observe(busy_s, rows_seen)
+        self._event("balance", step=self.progress.step, shares=list(shares), busy_s=[round(b, 4) for b in busy_s],
+                    window_s=round(wall, 4), utilization=[round(b / wall, 4) for b in busy_s] if wall > 0 else None,
+                    rebalanced=new)
+        if new is not None:
+            self.stream.reshare(new)
+            self.core.sample_weight = len(new) * new[self.topo.dp_rank] / sum(new)
 
     def _open_stream(self) -> TrainStream | DatasetStream:
         """This rank's micro-batches, through the loader data.loader names (the same samples either way)."""

@@ -58,3 +58,89 @@ def test_resplit_stream_covers_the_same_samples_in_the_same_order(tmp_path):
     assert split[0].shares is None  # equal shares are the plain split
     for s in equal + split:
         s.close()
+
+
+def _balanced_ranks(rank: int, world: int, port: int, out) -> None:
+    """Each strategy trains 3 steps twice from the same seed: equal shares (4, 4), then (6, 2) of the same
+    global batches with the balance weights; returns the losses as the loop reports them and the parameters."""
+    import os
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from cs3ray.config import load_config
+    from cs3ray.core.engine import ComputeCore
+    from cs3ray.core.mesh import Topology
+
+    from helpers.core import MODEL, global_batches
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        batches = global_batches(3, rows=8)
+        for strategy in ("ddp", "zero1", "fsdp"):
+            for shares in ((4, 4), (6, 2)):
+                cfg = load_config(None, MODEL + ["cluster.workers=2", f"parallel.strategy={strategy}",
+                                                 "precision=fp32", "train.batch_size=4"])
+                core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0", "n0")))
+                core.sample_weight = world * shares[rank] / sum(shares)
+                losses, grads = [], []
+                step_params = core.optimizer.step
+
+                def capture(*args, step_params=step_params, grads=grads, core=core, **kwargs):
+                    # The synced gradient each optimizer step applies: what balancing must leave unchanged.
+                    grads.append({n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).numpy().copy()
+                                  for n, q in core.model.named_parameters()})
+                    return step_params(*args, **kwargs)
+                core.optimizer.step = capture
+                for gb in batches:
+                    lo = sum(shares[:rank])
+                    loss, ok = core.step(lambda rows=gb[lo:lo + shares[rank]]: rows, lr=cfg.train.lr)
+                    t = torch.tensor([loss * core.sample_weight], dtype=torch.float64)
+                    dist.all_reduce(t)
+                    losses.append(float(t) / world)
+                state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().numpy().copy()
+                         for k, v in core.model.state_dict().items()}
+                results[(strategy, shares)] = (losses, grads, state, core.busy_s)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results["error"] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    out.put((rank, results))
+
+
+def test_a_rebalanced_step_is_the_balanced_steps_update():
+    from helpers.ranks import spawn_ranks
+
+    results = spawn_ranks(_balanced_ranks, 2, timeout=240)
+    for r in results.values():
+        assert "error" not in r, r["error"]
+    for strategy in ("ddp", "zero1", "fsdp"):
+        for rank in (0, 1):
+            (loss_a, grads_a, state_a, busy), (loss_b, grads_b, state_b, _) = (
+                results[rank][(strategy, s)] for s in ((4, 4), (6, 2)))
+            assert loss_b == pytest.approx(loss_a, abs=1e-6), strategy
+            for step_a, step_b in zip(grads_a, grads_b, strict=True):
+                for key, value in step_a.items():
+                    assert abs(step_b[key] - value).max() <= 1e-6, (strategy, key)
+            # After 3 AdamW steps: the same up to fp32 rounding, which AdamW's normalisation amplifies where a
+            # gradient is near its eps.
+            for key, value in state_a.items():
+                assert abs(state_b[key] - value).max() <= 1e-5, (strategy, key)
+            assert busy > 0
+
+
+def test_balance_refuses_what_it_cannot_re_split():
+    from cs3ray.config import load_config
+    from cs3ray.errors import UserError
+
+    from conftest import ROOT
+
+    load_config(ROOT / "configs/tiny.yaml", ["train.balance=true", "parallel.strategy=fsdp"])
+    for override, what in (("data.loader=ray_data", "data.loader=ray_data"), ("cluster.use_gpu=true", "use_gpu"),
+                           ("cluster.fault_tolerance=replicas", "replicas")):
+        with pytest.raises(UserError, match=f"train.balance cannot be used with .*{what}"):
+            load_config(ROOT / "configs/tiny.yaml", ["train.balance=true", override])
