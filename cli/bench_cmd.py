@@ -31,7 +31,8 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
                  log=lambda line: err_console.print(line, highlight=False))
     emit(f"training throughput ({r['config']}, {r['threads']} threads, peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
          f"medians of {r['rounds']} rounds: overhead ratio {r['overhead_ratio']:.3f}, vs Ray Train "
-         f"{r['overhead_vs_ray_train']:.3f}; fsdp/ddp state {r['fsdp_state_ratio']:.2f})",
+         f"{r['overhead_vs_ray_train']:.3f}; fsdp/ddp state {r['fsdp_state_ratio']:.2f}; "
+         f"pp2_1f1b/ddp tokens/s {r['pp2_1f1b_vs_ddp']:.2f})",
          ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
 
 
@@ -131,6 +132,22 @@ def compress_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     emit(f"gradient compression ({r['config']}, {r['steps']} steps, {r['ranks']} ranks, {r['precision']}; "
          f"loss: mean of the last {r['final_loss_of_last']} steps; overlap: DDP only)",
          compress_bench.COLUMNS, compress_bench.rows(r), r, as_json)
+
+
+@app.command("comm", epilog=EXIT_CODES)
+@user_errors
+def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help="Rate of the emulated link, Gb/s."),
+             quick: bool = typer.Option(False, "--quick", help="Sizes 4 and 16 MiB, codecs at 16 MiB (about a minute)."),
+             as_json: bool = JsonOpt) -> None:
+    """Gradient transports between 2 ranks, on loopback and over an emulated link (2 network namespaces, a veth
+    pair shaped with tc; needs root): point-to-point, gloo vs cs3ray all-reduce busbw, shared memory, codecs."""
+    from cs3ray.bench import comm as comm_bench
+
+    r = measured("comm", comm_bench.run, quick=quick, link_gbps=link_gbps,
+                 log=lambda line: err_console.print(line, highlight=False))
+    link = f"link {r['link_gbps']:g} Gb/s" if r["link_gbps"] else "link skipped"
+    emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link})",
+         ["measure", "loopback", "emulated link"], comm_bench.rows(r), r, as_json)
 
 
 @app.command("ckpt", epilog=EXIT_CODES)

@@ -8,7 +8,8 @@ Ray Train alone: `overhead_vs_ray_train`), and with 2 workers for every strategy
 costs and saves). The host's speed drifts within minutes, so the three 1-worker modes take
 turns in ROUNDS rounds in one cluster (each round in another order) and every ratio is the
 median of the rounds' own ratios. Steady-state rates only: the first steps (warm-up,
-allocation) are left out of every measurement.
+allocation) are left out of every measurement. The pipeline modes split the model into 2 stages
+(one per worker) and the same global batch into PP_MICROBATCHES micro-batches, one run per schedule.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from cs3ray.train.driver import prepare_data, train
 from .plain_loop import plain_loop, ray_train_peer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
+PIPELINES = {"pp2_gpipe": "gpipe", "pp2_1f1b": "1f1b"}  # mode -> parallel.pp_schedule, 2 stages
+PP_MICROBATCHES = 8
 # The measured and warm-up steps' share of the default run's 10 minutes: the rest goes to data,
 # peaks, each cs3ray and Ray Train run's start (the larger part on 2 cores), the slow first
 # steps of each fresh process, evals, final checkpoints and each cs3ray run's memory-tracked step.
 BUDGET_S = 160.0
 ROUNDS = 3
 ONE_WORKER_MODES = ("plain", "ray_train", "cs3ray")
-MODES = ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES)  # the 1-worker modes every round, 2 workers per strategy
+# The 1-worker modes every round, 2 workers per strategy and per pipeline schedule.
+MODES = ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) + len(PIPELINES)
 
 
 def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int, int] = (3, 15)) -> tuple[int, int]:
@@ -46,6 +50,11 @@ def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int
     per_mode = max(3, int(budget_s / (modes * step_s)))
     warmup = min(most[0], max(1, per_mode // 5))
     return warmup, max(2, min(most[1], per_mode - warmup))
+
+
+def bubble_theoretical(stages: int, microbatches: int) -> float:
+    """The idle share of a stage in a GPipe or 1F1B step with equal stages: (p-1)/(m+p-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
@@ -148,6 +157,20 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
                                  "state_bytes_per_worker": mem.get("state_bytes"),
                                  "peak_mem_bytes": mem.get("peak_bytes")}
             log(f"  {r['steady_tokens_per_s']:,.0f} tokens/s, state {mem.get('state_bytes', 0) / 1e6:.1f} MB/worker")
+        for mode, schedule in PIPELINES.items():
+            # One pipeline of 2 stages holds the whole global batch (the 2-worker strategies split it in 2).
+            log(f"cs3ray, 2 workers, pipeline of 2 stages, {schedule}, {PP_MICROBATCHES} micro-batches")
+            r = cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
+                                           f"train.batch_size={batch}", "parallel.pp=2",
+                                           f"parallel.pp_schedule={schedule}",
+                                           f"parallel.pp_microbatches={PP_MICROBATCHES}"], root, mode)
+            mem = (r.get("memory") or [{}])[0]
+            results[mode] = {"tokens_per_s": r["steady_tokens_per_s"], "worker_reported_mfu": r["mfu"],
+                             "state_bytes_per_worker": max((m.get("state_bytes") or 0) for m in r.get("memory") or [{}]),
+                             "peak_mem_bytes": mem.get("peak_bytes"), "bubble_fraction": r.get("bubble_fraction"),
+                             "bubble_theoretical": bubble_theoretical(2, PP_MICROBATCHES)}
+            log(f"  {r['steady_tokens_per_s']:,.0f} tokens/s, bubble {r.get('bubble_fraction')} "
+                f"(theory {bubble_theoretical(2, PP_MICROBATCHES):.3f})")
 
     def median(values) -> float:
         return float(statistics.median(values))
@@ -174,6 +197,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         "mfu": mfu(cs3_rate, flops_per_token, 1, peak), "worker_reported_mfu": median(worker_mfu),
         "strategies": results,
         "fsdp_state_ratio": (results["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state,
+        "pp2_1f1b_vs_ddp": results["pp2_1f1b"]["tokens_per_s"] / (results["ddp"]["tokens_per_s"] or 1),
         "warmup_steps": peer_warmup, "steps_measured": steps, "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -185,6 +209,9 @@ def rows(r: dict[str, Any]) -> list[tuple]:
             mfu(r["ray_train_tokens_per_s"], r["flops_per_token"], 1, r["peak_flops"]), "", ""),
            ("cs3ray 1 worker", r["cs3_tokens_per_s"], r["mfu"], "", "")]
     for name, s in r["strategies"].items():
+        if "bubble_fraction" in s:  # a pipeline: its measured idle share beside the schedule's
+            bubble = "?" if s["bubble_fraction"] is None else f"{s['bubble_fraction']:.3f}"
+            name = f"{name} (bubble {bubble}, theory {s['bubble_theoretical']:.3f})"
         out.append((f"cs3ray 2 workers {name}", s["tokens_per_s"], s["mfu"],
                     f"{(s['state_bytes_per_worker'] or 0) / 1e6:.1f}", f"{(s['peak_mem_bytes'] or 0) / 1e6:.1f}"))
     return out

@@ -131,6 +131,14 @@ class ParallelConfig(Section):
         "ddp", description="ddp: replicated; zero1: optimizer state sharded; fsdp: parameters, gradients and "
                            "optimizer state sharded (FSDP2), each worker owns 1/N.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (groups of tp workers on one node split each block).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: the model's blocks are split into pp stages, one per "
+                                         "worker of a pipeline (the embedding in the first, norm and output in the last).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' (one forward, one "
+                            "backward in the steady state: fewer activations held), 'interleaved_1f1b' (1f1b over 2 "
+                            "stages per worker, a smaller bubble for more messages).")
+    pp_microbatches: int = Field(4, ge=1, description="Micro-batches each worker's batch is split into for the "
+                                                      "pipeline: a multiple of pp that divides train.batch_size.")
 
 
 class CompressionConfig(Section):
@@ -148,8 +156,9 @@ class CompressionConfig(Section):
     warmup_steps: int = Field(
         0, ge=0, description="Optimizer steps synced uncompressed (fp32) before compression starts.")
     hierarchical: bool = Field(
-        False, description="Reduce inside each node first over shared memory, uncompressed, and compress only the "
-                           "cross-node stage (not available yet: refused when set).")
+        False, description="Reduce inside each node first over shared memory (fp32), and send only the cross-node "
+                           "stage over the network, compressed by `codec` (each local rank sends 1/L of the gradient). "
+                           "ddp, zero1 and fsdp with parallel.tp=1; needs the same number of workers on every node.")
 
 
 class CheckpointConfig(Section):
@@ -346,9 +355,10 @@ class JobConfig(Section):
             workers = self.cluster.max_workers
             if workers % tp:
                 raise ValueError(f"parallel.tp={tp} does not divide cluster.workers={workers}")
-            if workers // tp > 1 and self.parallel.strategy != "fsdp":
-                raise ValueError(f"parallel.tp={tp} with {workers // tp} data-parallel groups needs "
+            if workers // (tp * self.parallel.pp) > 1 and self.parallel.strategy != "fsdp":
+                raise ValueError(f"parallel.tp={tp} with {workers // (tp * self.parallel.pp)} data-parallel groups needs "
                                  f"parallel.strategy=fsdp (DDP cannot replicate tensor-parallel shards)")
+        self._check_pipeline(args.n_layers)
         self._check_compression()
         self._check_balance()
         if tp > 1 and self.cluster.placement in ("spread", "strict_spread"):
@@ -356,9 +366,9 @@ class JobConfig(Section):
                              f"parallel.tp={tp} group must stay on one node: use pack or strict_pack")
         if self.cluster.fault_tolerance == "replicas":
             # Each worker is a replica group of one holding the whole model (torchft's unit of failure).
-            if self.parallel.strategy != "ddp" or tp > 1:
-                raise ValueError("cluster.fault_tolerance=replicas needs parallel.strategy=ddp and parallel.tp=1 "
-                                 "(every worker keeps a whole replica of the model)")
+            if self.parallel.strategy != "ddp" or tp > 1 or self.parallel.pp > 1:
+                raise ValueError("cluster.fault_tolerance=replicas needs parallel.strategy=ddp, parallel.pp=1 and "
+                                 "parallel.tp=1 (every worker keeps a whole replica of the model)")
             if self.cluster.elastic:
                 raise ValueError("cluster.fault_tolerance=replicas needs a fixed cluster.workers (Ray Train replaces "
                                  "lost replicas only in fixed-size groups)")
@@ -404,12 +414,40 @@ class JobConfig(Section):
             raise ValueError(f"model.vocab_size={vocab} is smaller than the {tok.describe()} tokenizer's "
                              f"{tok.vocab_size} ids (leave it unset for {padded_vocab(tok)})")
 
+    def _check_pipeline(self, n_layers: int) -> None:
+        """Pipeline parallelism: the layout must split evenly into stages and micro-batches."""
+        p = self.parallel
+        if p.pp == 1:
+            return
+        if self.model.target is not None:
+            raise ValueError("parallel.pp > 1 needs the built-in transformer (model.target models cannot be split "
+                             "into pipeline stages)")
+        if self.cluster.elastic:
+            raise ValueError("parallel.pp > 1 needs a fixed cluster.workers (elastic sizes would split pipelines)")
+        workers = self.cluster.max_workers
+        if workers % (p.pp * p.tp):
+            raise ValueError(f"parallel.pp={p.pp} x parallel.tp={p.tp} does not divide cluster.workers={workers}")
+        stages = p.pp * (2 if p.pp_schedule == "interleaved_1f1b" else 1)
+        if n_layers < stages:
+            raise ValueError(f"parallel.pp={p.pp} with parallel.pp_schedule={p.pp_schedule} needs at least {stages} "
+                             f"model.n_layers (one block per stage), the model has {n_layers}")
+        if p.pp_schedule == "interleaved_1f1b" and workers // (p.pp * p.tp) > 1 and p.strategy != "fsdp":
+            # torch's DDP reducer cannot follow two stages of one rank through one backward.
+            raise ValueError("parallel.pp_schedule=interleaved_1f1b with more than one data-parallel group needs "
+                             "parallel.strategy=fsdp")
+        if p.pp_microbatches % p.pp or self.train.batch_size % p.pp_microbatches:
+            raise ValueError(f"parallel.pp_microbatches={p.pp_microbatches} must be a multiple of parallel.pp={p.pp} "
+                             f"that divides train.batch_size={self.train.batch_size}")
+        if self.compression.codec != "none":
+            raise ValueError(f"compression.codec={self.compression.codec} cannot be used with parallel.pp > 1 yet")
+
     def _check_balance(self) -> None:
         """train.balance re-splits the direct loader's micro-batches of a fixed-size group, measured on CPU workers."""
         if not self.train.balance:
             return
         refused = {"data.loader=ray_data": self.data.loader == "ray_data",
                    "cluster.fault_tolerance=replicas": self.cluster.fault_tolerance == "replicas",
+                   "parallel.pp > 1": self.parallel.pp > 1,
                    "cluster.use_gpu (its compute time is measured on CPU workers only)": self.cluster.use_gpu}
         for what, bad in refused.items():
             if bad:
@@ -418,8 +456,13 @@ class JobConfig(Section):
     def _check_compression(self) -> None:
         c = self.compression
         if c.hierarchical:
-            raise ValueError("compression.hierarchical=true is not available yet (the shared-memory intra-node "
-                             "stage is not built); leave it false")
+            # The shared-memory stage is built for data parallelism over the whole world only.
+            if self.parallel.tp > 1 or self.parallel.pp > 1:
+                raise ValueError("compression.hierarchical=true needs parallel.tp=1 and parallel.pp=1 (its node groups "
+                                 "span the whole world, not a data-parallel subgroup)")
+            if self.cluster.fault_tolerance == "replicas":
+                raise ValueError("compression.hierarchical=true cannot be used with cluster.fault_tolerance=replicas "
+                                 "(torchft averages the replicas' gradients itself)")
         if c.codec == "none":
             return
         if self.cluster.fault_tolerance == "replicas":

@@ -26,6 +26,7 @@ from .grads import clip_grad_norm
 from .memory import owned_bytes, peak_step_memory
 from .mesh import Topology
 from .optim import build_optimizer, set_lr
+from .pipeline import TIED_ALIASES, Pipeline, autocast_forward, tied_last_stage, virtual_stages
 from .precision import LossScaler, autocast, resolve_precision
 from .state import capture, init_adamw_state, local_optimizer, restore
 
@@ -49,23 +50,43 @@ class ComputeCore:
         self.mesh = mesh
         distributed = mesh is not None and topology.world > 1
         # The fixed order of parallelisms (see cs3ray.core.parallel).
+        # The modules a pipeline schedule runs: the model, or with pipeline parallelism this rank's stages
+        # (with more than one, `model` holds them all under their own names, for the optimizer and checkpoints).
+        chunks = [model]
+        if p.pp > 1:
+            model, chunks = parallel.apply_pp(model, topology.pp_rank, p.pp, virtual_stages(p.pp_schedule))
+        self.stage_params = count_parameters(model)  # this rank's pipeline stages (the whole model without pp)
         if p.tp > 1:
             parallel.apply_tp(model, mesh["tp"])
-        if t.activation_checkpointing:
-            parallel.apply_ac(model)
-        if t.compile:
-            parallel.apply_compile(model)
+        for chunk in chunks:
+            if t.activation_checkpointing:
+                parallel.apply_ac(chunk)
+            if t.compile:
+                parallel.apply_compile(chunk)
         self.autocast = True
         self.compression: CompressionHook | None = None  # compressed gradient sync
         if p.strategy == "fsdp" and distributed:
-            parallel.apply_fsdp(model, mesh["dp"], self.precision)
-            self.compression = parallel.apply_fsdp_compression(model, cfg.compression, mesh["dp"].get_group())
+            for chunk in chunks:
+                parallel.apply_fsdp(chunk, mesh["dp"], self.precision)
+            self.compression = parallel.apply_fsdp_compression(model, cfg.compression, mesh["dp"].get_group(),
+                                                               topology)
             self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
         elif distributed and topology.dp > 1:
-            group = mesh["dp"].get_group() if p.tp > 1 else None
-            model = parallel.apply_ddp(model, device, group=group)
-            self.compression = parallel.apply_compression(model, cfg.compression, group)
+            group = mesh["dp"].get_group() if p.tp > 1 or p.pp > 1 else None
+            chunks = [parallel.apply_ddp(chunk, device, group=group) for chunk in chunks]
+            model = chunks[0] if len(chunks) == 1 else model
+            self.compression = parallel.apply_compression(model, cfg.compression, group, topology)
         self.model = model  # train.init_from weights are loaded into it by the worker (cs3ray.train.loop)
+        self.pipeline: Pipeline | None = None
+        # Optimizer state of the last stage's copy of a tied embedding is saved under the embedding's name.
+        self.aliases = TIED_ALIASES if tied_last_stage(getattr(model, "module", model), topology.pp_rank, p.pp) \
+            else None
+        if p.pp > 1:
+            if self.autocast and self.precision != "fp32":
+                for chunk in chunks:
+                    autocast_forward(getattr(chunk, "module", chunk), self.precision, device)
+            self.pipeline = Pipeline(model, chunks, topology, mesh["pp"].get_group(), p.pp_schedule,
+                                     p.pp_microbatches, device)
         betas = (t.beta1, t.beta2)
         if p.strategy == "zero1" and distributed and topology.dp > 1:
             self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas, zero_group=mesh["dp"].get_group())
@@ -104,8 +125,9 @@ class ComputeCore:
 
     def step(self, next_batch: Callable[[], np.ndarray], lr: float, track_memory: bool = False) -> tuple[float, bool]:
         """One optimizer step over grad_accum micro-batches: (mean loss on this rank, step applied)."""
-        # torch's MemTracker follows one forward per tracked step, so accumulation runs untracked.
-        if track_memory and self.grad_accum == 1:
+        # torch's MemTracker follows one forward per tracked step, so accumulation and pipeline
+        # micro-batches run untracked on CPUs (CUDA's allocator counters see any step).
+        if track_memory and self.grad_accum == 1 and (self.pipeline is None or self.device.type == "cuda"):
             result, self.peak_bytes = peak_step_memory(lambda: self._step(next_batch, lr), self.model,
                                                        self.optimizer, self.device)
             return result
@@ -114,6 +136,8 @@ class ComputeCore:
     def _step(self, next_batch: Callable[[], np.ndarray], lr: float) -> tuple[float, bool]:
         t = self.cfg.train
         set_lr(self.optimizer, lr)
+        if self.pipeline is not None:
+            return self._pipeline_step(next_batch)
         total = 0.0
         busy = time.thread_time()
         for micro in range(self.grad_accum):
@@ -141,13 +165,43 @@ class ComputeCore:
         self.optimizer.zero_grad(set_to_none=True)
         return total, ok
 
+    def _pipeline_step(self, next_batch: Callable[[], np.ndarray]) -> tuple[float, bool]:
+        """One optimizer step through the pipeline schedule: each accumulated batch is split into micro-batches."""
+        pipe, t = self.pipeline, self.cfg.train
+        total = 0.0
+        for _ in range(self.grad_accum):
+            x = torch.as_tensor(next_batch(), device=self.device)
+            total += pipe.step(x, self.scaler.scale / self.grad_accum) / self.grad_accum
+        pipe.sync_tied()
+        # The found-inf flag is all-reduced over every rank: an overflow on any stage skips the step on all.
+        ok = self.scaler.unscale_and_check(self.params)
+        self.grad_bytes = owned_bytes(self.model, self.optimizer)["grad_bytes"]
+        if ok:
+            if t.clip > 0:
+                # The global norm: each stage's sum of squares, added up over the pipeline.
+                self.grad_norm = clip_grad_norm(self.params, t.clip, counted=pipe.norm_params(self.params),
+                                                group=pipe.group)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, ok
+
+    def bubble_fraction(self) -> float | None:
+        """Measured idle share of this pipeline stage since the last call (None without pipeline parallelism)."""
+        return self.pipeline.bubble_fraction() if self.pipeline is not None else None
+
     @torch.no_grad()
     def evaluate(self, batches: list[np.ndarray]) -> tuple[float, int]:
-        """(summed token loss, token count) over this rank's validation batches."""
+        """(summed token loss, token count) over this rank's validation batches (0, 0 on pipeline stages but the last)."""
         self.model.eval()
         total, count = 0.0, 0
         for batch in batches:
             x = torch.as_tensor(batch, device=self.device)
+            if self.pipeline is not None:
+                loss = self.pipeline.forward_only(x)
+                if loss is not None:
+                    total += float(loss) * x[:, 1:].numel()
+                    count += x[:, 1:].numel()
+                continue
             total += float(self._forward_loss(x)) * x[:, 1:].numel()
             count += x[:, 1:].numel()
         self.model.train()
@@ -167,7 +221,7 @@ class ComputeCore:
 
     def state(self) -> dict[str, Any]:
         """DCP state of this rank (references: loading fills them in place)."""
-        return capture(self.model, self.optimizer)
+        return capture(self.model, self.optimizer, self.aliases)
 
     def after_load(self, state: dict[str, Any]) -> None:
         restore(self.model, state)

@@ -7,7 +7,7 @@ and only the shards of sharded DTensors are summed over the mesh dimensions they
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,18 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
-    norm = grad_norm(params)
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, counted: list[torch.Tensor] | None = None,
+                   group: Any = None) -> float:
+    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
+
+    `counted`: the parameters whose gradients make up the norm (default: all); `group`: ranks holding other
+    parameters of the model (pipeline stages), whose sums of squares are added to this rank's.
+    """
+    norm = grad_norm(params if counted is None else counted)
+    if group is not None:
+        squares = norm.pow(2)
+        dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
     scale = max_norm / (float(norm) + 1e-6)
     if scale < 1.0:
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]

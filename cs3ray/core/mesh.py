@@ -1,8 +1,11 @@
-"""Topology: which node each rank is on, and the (data x tensor) device mesh built on it.
+"""Topology: which node each rank is on, and the (pipeline x data x tensor) device mesh built on it.
 
 Ranks are ordered by node (Ray Train sorts its workers that way; we check it), so contiguous
 rank blocks of size tp are tensor-parallel groups. Those groups all-reduce inside every block,
 so they must never span the slow link between nodes: we refuse layouts where they would.
+Pipeline stages are the outermost dimension (as in torchtitan and Megatron): a stage boundary
+only sends one micro-batch's activations, so it is the dimension that may cross nodes, while a
+data-parallel group (a whole stage's gradients) stays as close together as the layout allows.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Topology:
     world: int
     tp: int
     node_ids: tuple[str, ...]  # node id of every rank, by rank
+    pp: int = 1
 
     @property
     def node_id(self) -> str:
@@ -44,24 +48,32 @@ class Topology:
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.rank // (self.dp * self.tp)
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
     def tp_group_ranks(self) -> list[int]:
-        start = self.dp_rank * self.tp
+        start = self.rank // self.tp * self.tp
         return list(range(start, start + self.tp))
 
     def check(self) -> None:
         """Refuse layouts where ranks are not node-ordered or a TP group would span nodes."""
         if self.world % self.tp:
             raise TopologyError(f"parallel.tp={self.tp} does not divide the {self.world} workers.")
+        if self.world % (self.tp * self.pp):
+            raise TopologyError(f"parallel.pp={self.pp} x parallel.tp={self.tp} does not divide the "
+                                f"{self.world} workers.")
         seen: list[str] = []
         for n in self.node_ids:
             if seen and n != seen[-1] and n in seen:
@@ -75,19 +87,21 @@ class Topology:
                                     "workers per node.")
 
     def mesh(self, device_type: str) -> DeviceMesh | None:
-        """The 2-D ('dp', 'tp') mesh, or None without a process group."""
+        """The ('dp', 'tp') mesh, ('pp', 'dp', 'tp') with pipeline stages, or None without a process group."""
         if not dist.is_initialized():
             return None
+        if self.pp > 1:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
 
 
-def discover(tp: int, node_id: str) -> Topology:
+def discover(tp: int, node_id: str, pp: int = 1) -> Topology:
     """Exchange node ids over the process group and check the layout."""
     if dist.is_initialized():
         ids: list[str] = [""] * dist.get_world_size()
         dist.all_gather_object(ids, node_id)
-        topo = Topology(dist.get_rank(), dist.get_world_size(), tp, tuple(ids))
+        topo = Topology(dist.get_rank(), dist.get_world_size(), tp, tuple(ids), pp)
     else:
-        topo = Topology(0, 1, tp, (node_id,))
+        topo = Topology(0, 1, tp, (node_id,), pp)
     topo.check()
     return topo

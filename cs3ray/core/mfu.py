@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from cs3ray.models.flops import train_flops_per_token
+from cs3ray.models.transformer import ModelArgs
+
 
 def model_flops_per_step(flops_per_token: float, tokens_per_step: int) -> float:
     """FLOPs one optimizer step does on the model (all workers together)."""
@@ -17,3 +20,11 @@ def mfu(tokens_per_s: float, flops_per_token: float, workers: int, peak_flops_pe
     if peak_flops_per_worker <= 0 or workers <= 0:
         return 0.0
     return tokens_per_s * flops_per_token / (workers * peak_flops_per_worker)
+
+
+def stage_flops_per_token(args: ModelArgs, seq_len: int, layers: int, last: bool) -> float:
+    """Training FLOPs per token of a pipeline stage of `layers` blocks (the last one also projects to the
+    vocabulary): the stages of a pipeline add up to the whole model's `train_flops_per_token`."""
+    output = 6.0 * args.vocab_size * args.dim
+    per_block = (train_flops_per_token(args, seq_len) - output) / args.n_layers
+    return layers * per_block + (output if last else 0.0)

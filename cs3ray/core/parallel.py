@@ -1,6 +1,7 @@
 """Parallelism applied to an unmodified model from the outside (torchtitan's apply_* style).
 
 The order is fixed and matters:
+  0. pipeline parallel - keeps only this rank's stage of the plain model; everything below sees the stage
   1. tensor parallel   - rewrites Linear weights into DTensor shards; must see the plain model
   2. activation ckpt   - wraps whole blocks, around the TP-sharded linears
   3. compile           - compiles each (wrapped) block, so the graph includes recompute + TP comms
@@ -20,12 +21,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compress import CompressionHook, install_fsdp_compression, register_compression
+from .mesh import Topology
 from .precision import DTYPES
 
 
 def _blocks(model: nn.Module) -> nn.ModuleDict | None:
     blocks = getattr(model, "blocks", None)
     return blocks if isinstance(blocks, nn.ModuleDict) else None
+
+
+def apply_pp(model: nn.Module, rank: int, pp: int, virtual: int = 1) -> tuple[nn.Module, list[nn.Module]]:
+    """Pipeline parallel: keep only this pipeline rank's blocks (and the embedding first, norm and output last).
+
+    Returns (the model holding them, the stage modules the schedule runs): the model itself, or with
+    `virtual` > 1 stages per rank (interleaved schedules) one module per stage sharing its submodules.
+    Parameters keep their names, so every later apply_* and checkpoints see an ordinary, smaller model.
+    """
+    from .pipeline import split_rank
+
+    return split_rank(model, rank, pp, virtual)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -95,18 +109,24 @@ def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_
                gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
-def apply_compression(model: nn.Module, compression: Any, group: Any = None) -> CompressionHook | None:
-    """Sync a DDP model's gradient buckets with the compressed all-reduce when `compression.codec` asks."""
-    if compression.codec == "none" or not isinstance(model, DDP):
+def apply_compression(model: nn.Module, compression: Any, group: Any = None,
+                      topology: Topology | None = None) -> CompressionHook | None:
+    """Sync a DDP model's gradient buckets with the compressed all-reduce when `compression.codec` asks,
+    or through shared memory inside each node first when `compression.hierarchical` does (needs `topology`)."""
+    hierarchical = topology if compression.hierarchical else None
+    if (compression.codec == "none" and hierarchical is None) or not isinstance(model, DDP):
         return None
     return register_compression(model, compression.codec, compression.density, compression.error_feedback,
-                                compression.warmup_steps, group)
+                                compression.warmup_steps, group, hierarchical)
 
 
-def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any) -> CompressionHook | None:
-    """Compress FSDP2's gradient reduce-scatter of every sharded module when `compression.codec` asks."""
-    if compression.codec == "none":
+def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any,
+                           topology: Topology | None = None) -> CompressionHook | None:
+    """Compress FSDP2's gradient reduce-scatter of every sharded module when `compression.codec` asks,
+    through shared memory inside each node first when `compression.hierarchical` does (needs `topology`)."""
+    hierarchical = topology if compression.hierarchical else None
+    if compression.codec == "none" and hierarchical is None:
         return None
     state = CompressionHook(compression.codec, compression.density, compression.error_feedback,
-                            compression.warmup_steps, group)
+                            compression.warmup_steps, group, hierarchical)
     return install_fsdp_compression(model, state)

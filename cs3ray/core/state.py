@@ -46,13 +46,18 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
-def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """References to this rank's model and optimizer tensors, for DCP to save or load in place."""
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer,
+            aliases: dict[str, str] | None = None) -> dict[str, Any]:
+    """References to this rank's model and optimizer tensors, for DCP to save or load in place.
+
+    `aliases` renames optimizer entries: a pipeline's last stage keeps a tied embedding's state
+    under the embedding's name, as a single process does.
+    """
     opt = local_optimizer(optimizer)
     state = {}
     for name, p in named_trainable(model):
         if p in opt.state and opt.state[p]:
-            state[name] = opt.state[p]
+            state[(aliases or {}).get(name, name)] = opt.state[p]
     return {"model": get_model_state_dict(model), "optim": {"state": state}}
 
 

@@ -194,9 +194,11 @@ class Transformer(nn.Module):
         if start + t > self.args.max_seq_len:
             raise ValueError(f"sequence of {start + t} tokens exceeds the model's context of {self.args.max_seq_len}")
         cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
-        h = self.tok_emb(tokens)
+        # A pipeline stage holds only some of the modules (cs3ray.core.pipeline): a later stage
+        # gets hidden states instead of tokens, and an earlier one returns them.
+        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         for block in self.blocks.values():
             h = block(h, cos, sin, cache)
         if cache is not None:
             cache.length += t
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h

@@ -165,8 +165,18 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
         "final_loss": progress[-1]["loss"] if progress else None, "mfu": round(mfu, 4),
         "peak_flops": start.get("peak_flops"), "threads": start.get("threads"), "tp": cfg.parallel.tp,
         "skipped_steps": end.get("skipped_steps", 0), "memory": end.get("memory"),
-        **_compression_summary(cfg, end.get("comm")),
+        **_compression_summary(cfg, end.get("comm")), **_pipeline_summary(cfg, steady),
     }
+
+
+def _pipeline_summary(cfg: JobConfig, steady: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pipeline runs: the degree, schedule and the first stage's measured idle share (mean of steady windows)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return {}
+    bubbles = [e["bubble_fraction"] for e in steady if e.get("bubble_fraction") is not None]
+    return {"pp": p.pp, "pp_schedule": p.pp_schedule, "pp_microbatches": p.pp_microbatches,
+            "bubble_fraction": round(sum(bubbles) / len(bubbles), 4) if bubbles else None}
 
 
 def _compression_summary(cfg: JobConfig, comm: list[dict[str, Any] | None] | None) -> dict[str, Any]:

@@ -22,7 +22,8 @@ class BatchPlan:
 
 def global_samples(cfg: JobConfig) -> int:
     """Samples per optimizer step: train.batch_size x train.grad_accum x the largest data-parallel width."""
-    return cfg.train.batch_size * cfg.train.grad_accum * (cfg.cluster.max_workers // cfg.parallel.tp)
+    p = cfg.parallel
+    return cfg.train.batch_size * cfg.train.grad_accum * (cfg.cluster.max_workers // (p.tp * p.pp))
 
 
 def plan_batch(cfg: JobConfig, dp: int) -> BatchPlan:

@@ -17,9 +17,10 @@ from cs3ray.ckpt.finetune import load_init_weights
 from cs3ray.config import JobConfig, build_config, to_yaml
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import discover
-from cs3ray.core.mfu import mfu
+from cs3ray.core.mfu import mfu, stage_flops_per_token
 from cs3ray.core.optim import lr_factor
 from cs3ray.core.peak import measure_peak
+from cs3ray.core.pipeline import rank_layers, virtual_stages
 from cs3ray.core.precision import compute_dtype
 from cs3ray.core.state import rng_state, set_rng_state
 from cs3ray.data.dataset_stream import DatasetStream
@@ -92,7 +93,7 @@ class Worker:
         # Ray sets OMP_NUM_THREADS=1 in workers; use exactly the CPUs this worker reserved.
         torch.set_num_threads(self.threads)
         self.device = ray.train.torch.get_device()
-        self.topo = discover(cfg.parallel.tp, ray.get_runtime_context().get_node_id())
+        self.topo = discover(cfg.parallel.tp, ray.get_runtime_context().get_node_id(), cfg.parallel.pp)
         self.core = ComputeCore(cfg, self.device, self.topo)
         if cfg.train.init_from:
             # Any strategy / world size: DCP reshards the pretrained weights into this layout.
@@ -130,6 +131,10 @@ class Worker:
             self.tokenizer_json = shard_tokenizer(read_manifest(shards), shards.url).to_json()
         self.flops_per_token = (6.0 * self.core.n_params if cfg.model.target
                                 else train_flops_per_token(cfg.model.args(), cfg.train.seq_len))
+        if cfg.parallel.pp > 1:  # what this rank's pipeline stages compute of it
+            args, rank, pp = cfg.model.args(), self.topo.pp_rank, self.topo.pp
+            layers = rank_layers(args.n_layers, rank, pp, virtual_stages(cfg.parallel.pp_schedule))
+            self.stage_flops = stage_flops_per_token(args, cfg.train.seq_len, layers, rank == pp - 1)
         # MFU is against the peak of this worker's own device and thread count, measured here.
         self.peak_flops = _worker_peak(compute_dtype(self.core.precision), self.threads, self.device.type)
 
@@ -160,7 +165,7 @@ class Worker:
         self.core.load_compression_state((rank_state or {}).get("compression"), step)
         source = self.ckpt.last_restore.source if self.ckpt.last_restore else "storage"
         self._event("restored", step=step, from_world_size=meta.get("world_size"),
-                    from_strategy=meta.get("strategy"), restored_from=source,
+                    from_strategy=meta.get("strategy"), from_pp=meta.get("pp", 1), restored_from=source,
                     data_samples=(meta.get("data") or {}).get("samples"),
                     seconds=round(time.perf_counter() - t0, 3))
         return rank_state is not None
@@ -206,7 +211,8 @@ class Worker:
         meta = {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
                 "val_loss": p.val_loss, "scaler": self.core.scaler.state_dict(), "world_size": self.world,
                 "data": self.stream.state() if self.stream is not None else p.data_position,
-                "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "precision": self.core.precision}
+                "strategy": self.cfg.parallel.strategy, "tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp,
+                "precision": self.core.precision}
         files = {"config.yaml": to_yaml(self.cfg), "tokenizer.json": self.tokenizer_json}
         t0 = time.perf_counter()
         # Error-feedback residuals travel in this rank's own file, beside its RNG streams.
@@ -227,7 +233,7 @@ class Worker:
                     peak_flops=self.peak_flops, threads=self.threads, precision=self.core.precision, pids=_all_gather(os.getpid()),
                     # Each rank's training thread's niceness: Ray starts workers at nice 15 (docs/operations.md).
                     nice=_all_gather(os.getpriority(os.PRIO_PROCESS, 0)),
-                    micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum)
+                    micro_batch=self.plan.micro_batch, grad_accum=self.plan.grad_accum, **self._pipeline_info())
         if p.initial_val_loss is None:
             p.initial_val_loss = p.val_loss = self.evaluate()
             self._event("eval", step=p.step, val_loss=p.val_loss)
@@ -264,7 +270,7 @@ class Worker:
                 loss_sum, stop = _all_reduce([loss * self.core.sample_weight, stop_flag], self.device)
             p.step += 1
             # One rank per tensor-parallel group traces: its ranks read the same samples.
-            self.stream.trace_step(p.step, write=self.topo.tp_rank == 0)
+            self.stream.trace_step(p.step, write=self.topo.tp_rank == 0 and self.topo.pp_rank == 0)
             p.tokens_seen += tokens_per_step
             window_steps += 1
             # The preemption check is a barrier of all workers; replicas ride out a lost node anyway.
@@ -280,7 +286,7 @@ class Worker:
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
                             grad_norm=self.core.grad_norm,
                             loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
-                            cache=self.stream.cache_counters())
+                            cache=self.stream.cache_counters(), **self._bubble())
                 window_t, window_steps, tracked = time.perf_counter(), 0, False
             if balancer is not None and p.step % t.balance_every == 0:
                 self._rebalance(balancer)
@@ -345,6 +351,20 @@ class Worker:
             horizon = max(1, (cfg.train.steps - p.step) * self.plan.grad_accum)
             return RayDataStream(self.plan.micro_batch, cfg.train.seed, p.data_position, horizon=horizon, **args)
         return TrainStream(self.plan.micro_batch, cfg.train.seed, p.data_position, **args)
+
+    def _pipeline_info(self) -> dict[str, Any]:
+        """Pipeline runs: the degree, schedule and each rank's stage FLOPs per token (they add up to the model's
+        per pipeline, so MFU over all workers counts each stage's work once)."""
+        if self.topo.pp == 1:
+            return {}
+        pp = self.cfg.parallel
+        return {"pp": pp.pp, "pp_schedule": pp.pp_schedule, "pp_microbatches": pp.pp_microbatches,
+                "stage_flops_per_token": _all_gather(self.stage_flops)}
+
+    def _bubble(self) -> dict[str, Any]:
+        """Pipeline runs: the idle share of the first stage's time since the last report."""
+        bubble = self.core.bubble_fraction()
+        return {} if bubble is None else {"bubble_fraction": round(bubble, 4)}
 
     def _comm_window(self, steps: int) -> dict[str, Any]:
         """Compressed runs: gradient bytes this rank sent per step since the last report, and the wire ratio."""

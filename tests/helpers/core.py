@@ -34,7 +34,7 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
     (the others must still skip the step: the overflow check is collective).
     """
     cfg = load_config(None, MODEL + [f"cluster.workers={world}"] + overrides)
-    topo = Topology(rank, world, cfg.parallel.tp, tuple(node_ids or ["n0"] * world))
+    topo = Topology(rank, world, cfg.parallel.tp, tuple(node_ids or ["n0"] * world), cfg.parallel.pp)
     core = ComputeCore(cfg, torch.device("cpu"), topo)
     losses, applied, hook = [], [], None
     for i, gb in enumerate(batches):

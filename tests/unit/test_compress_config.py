@@ -20,9 +20,18 @@ def test_every_codec_works_with_every_data_parallel_strategy(strategy, codec):
     assert cfg.compression.codec == codec
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4_sparse"])
+def test_hierarchical_sync_is_accepted_with_every_data_parallel_strategy(strategy, codec):
+    cfg = load_config(None, [f"compression.codec={codec}", f"parallel.strategy={strategy}", "compression.hierarchical=true"])
+    assert cfg.compression.hierarchical
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["compression.codec=int8", "cluster.fault_tolerance=replicas"], "cannot be used with cluster.fault_tolerance"),
-    (["compression.codec=int8", "compression.hierarchical=true"], "compression.hierarchical=true is not available"),
+    (["compression.codec=int8", "compression.hierarchical=true", "parallel.tp=2", "cluster.workers=2"],
+     "compression.hierarchical=true needs parallel.tp=1"),
+    (["compression.hierarchical=true", "cluster.fault_tolerance=replicas"], "compression.hierarchical=true cannot"),
     (["compression.codec=zstd"], "compression.codec"),
     (["compression.density=0"], "compression.density"),
     (["compression.density=1.5"], "compression.density"),

@@ -1,13 +1,14 @@
 """A two-phase compressed all-reduce whose traffic per rank does not grow with the number of ranks.
 
 Phase 1: each rank splits its tensor into one chunk per rank, encodes every chunk and exchanges
-them with one all_to_all (ZeRO++ qgZ's choice: a reduce-scatter would have to reduce in the
-wire's dtype); each rank decodes the chunks it owns and sums them in fp32. Phase 2: the owner
-re-encodes the reduced chunk and one all_gather gives every rank every reduced chunk, decoded
+them all-to-all (ZeRO++ qgZ's choice: a reduce-scatter would have to reduce in the wire's
+dtype); each rank decodes the chunks it owns and sums them in fp32. Phase 2: the owner
+re-encodes the reduced chunk and an all-gather gives every rank every reduced chunk, decoded
 from the same bytes on every rank (the owner too), so replicas stay bit-identical. Each rank
 sends 2 (n-1) encoded chunks: 2 (n-1)/n x the encoded tensor, like a ring all-reduce of it.
 Both phases carry error feedback: the sender's residual per chunk and the owner's for its
-reduced chunk (1-bit Adam's worker and server compensation).
+reduced chunk (1-bit Adam's worker and server compensation). Both exchanges are point-to-point
+(`exchange`), every receive posted before any send.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ import torch.distributed as dist
 
 from .codec import Codec
 from .feedback import ErrorFeedback
+
+
+def exchange(send: list[torch.Tensor], recv: list[torch.Tensor], group: Any = None, tag: int = 0) -> None:
+    """Send send[r] to group rank r and receive recv[r] from it, with every peer at once (own slot copied).
+
+    Every receive is posted before any send, so both directions of a link carry data together:
+    gloo's all_to_all and a send posted before its peer's receive move one direction at a time
+    (see docs/benchmarks.md, `bench comm`). Traffic is what all_to_all / all_gather send.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    peers = [r for r in range(world) if r != me]
+    ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
+    reqs = [dist.irecv(recv[r], src=ranks[r], group=group, tag=tag) for r in peers]
+    reqs += [dist.isend(send[r], dst=ranks[r], group=group, tag=tag) for r in peers]
+    if recv[me].data_ptr() != send[me].data_ptr():  # a caller that reads its own slot in place skips the copy
+        recv[me].copy_(send[me])
+    for req in reqs:
+        req.wait()
 
 
 def ring_bytes(numel: int, world: int) -> float:
@@ -56,9 +75,19 @@ class CompressedAllReduce:
         self.feedback = ErrorFeedback(error_feedback)
         self.stats = CommStats()
         self._thread: ThreadPoolExecutor | None = None
+        self._work: dict[str, torch.Tensor] = {}  # scratch buffers, reused by every call
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor reused across calls (one call runs at a time per reducer): a fresh buffer larger
+        than glibc's mmap threshold is page-faulted in on every call, which costs more than the copy itself."""
+        numel = math.prod(shape)
+        buf = self._work.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._work[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
 
     def _reduce_own_chunk(self, key: Hashable, flat: torch.Tensor, average: bool) -> tuple[torch.Tensor, int]:
-        """Phase 1: encode one chunk per rank, all_to_all, sum the chunks this rank owns in fp32.
+        """Phase 1: encode one chunk per rank, exchange all-to-all, sum the chunks this rank owns in fp32.
 
         Returns this rank's reduced chunk and the payload bytes of one chunk.
         """
@@ -68,35 +97,67 @@ class CompressedAllReduce:
         if n == c * world and flat.dtype == torch.float32:
             chunks = flat.reshape(world, c)
         else:
-            chunks = flat.new_zeros(c * world, dtype=torch.float32)
+            chunks = self._buffer("padded", (c * world,), torch.float32)
             chunks[:n] = flat.reshape(-1)
+            chunks[n:].zero_()
             chunks = chunks.view(world, c)
         size = self.codec.wire_bytes(c)
-        send = torch.cat([self.feedback.encode((key, "send", r), self.codec, chunks[r])[0] for r in range(world)])
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        total = torch.zeros(c, dtype=torch.float32)
-        for part in recv.view(world, size):
+        if self.codec.name == "none":  # the exact codec's payload is the chunk itself: no copy
+            send = chunks.view(torch.uint8)
+        else:
+            send = torch.stack([self.feedback.encode((key, "send", r), self.codec, chunks[r])[0]
+                                for r in range(world)])
+        parts = list(self._buffer("recv", (world, size), torch.uint8))
+        me = dist.get_rank(self.group)
+        parts[me] = send[me]  # this rank's own chunk is read where it is
+        exchange(list(send), parts, self.group, tag=1)
+        total = self._buffer("total", (c,), torch.float32)
+        if world == 1:
+            total.copy_(self.codec.decode(parts[0], c))
+        else:  # in rank order, the first two in one pass
+            torch.add(self.codec.decode(parts[0], c), self.codec.decode(parts[1], c), out=total)
+        for part in parts[2:]:
             total += self.codec.decode(part, c)
         if average:
             total /= world
         return total, size
 
-    def __call__(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The compressed mean of `flat` (its residuals kept under `key`), blocking; written into `out` if given."""
+    def all_reduce(self, key: Hashable, flat: torch.Tensor,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The compressed mean of `flat` over the group and the bytes this rank sent, uncounted in `stats`.
+
+        The mean is received or decoded straight into `out` (which may be `flat`) when its layout
+        allows; otherwise it may be a view of a scratch buffer that the next call overwrites.
+        """
         world = dist.get_world_size(self.group)
         n = flat.numel()
         total, size = self._reduce_own_chunk(key, flat, average=True)
         c = total.numel()
+        sent = 2 * (world - 1) * size
+        # Phase 1 has finished reading `flat`, so the result may overwrite it.
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == c * world
         # Phase 2: the owner re-encodes its reduced chunk; every rank decodes the same bytes.
+        if self.codec.name == "none":  # fp32 chunks are received straight into place
+            gathered = (out.view(world, c).view(torch.uint8) if direct and out is not None
+                        else self._buffer("gathered", (world, size), torch.uint8))
+            exchange([total.view(torch.uint8)] * world, list(gathered), self.group, tag=2)
+            return gathered.view(torch.float32).reshape(-1)[:n], sent
         payload, _ = self.feedback.encode((key, "owner"), self.codec, total)
-        gathered = torch.empty(world * size, dtype=torch.uint8)
-        dist.all_gather_single(gathered, payload, group=self.group)
-        self.stats.add(2 * (world - 1) * size, ring_bytes(n, world))
-        result = torch.cat([self.codec.decode(p, c) for p in gathered.view(world, size)])[:n]
+        gathered = self._buffer("gathered", (world, size), torch.uint8)
+        exchange([payload] * world, list(gathered), self.group, tag=2)
+        target = out.view(world, c) if direct and out is not None else self._buffer("result", (world, c), torch.float32)
+        for r, p in enumerate(gathered):
+            target[r].copy_(self.codec.decode(p, c))
+        return target.reshape(-1)[:n], sent
+
+    def __call__(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The compressed mean of `flat` (its residuals kept under `key`), blocking; written into `out` if given."""
+        result, sent = self.all_reduce(key, flat, out)
+        self.stats.add(sent, ring_bytes(flat.numel(), dist.get_world_size(self.group)))
         if out is None:
-            return result
-        out.copy_(result.view_as(out))
+            return result.clone()
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result.view_as(out))
         return out
 
     def reduce_scatter(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor, average: bool = True) -> None:

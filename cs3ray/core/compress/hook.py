@@ -11,16 +11,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from ..mesh import Topology
 from .allreduce import CompressedAllReduce, ring_bytes
 from .codec import make_codec
+from .hierarchical import HierarchicalAllReduce
 
 
 class CompressionHook:
     """State of the hook: the transport (residuals, byte counts) and the sync-step counter."""
 
     def __init__(self, codec: str, density: float = 0.1, error_feedback: bool = True, warmup_steps: int = 0,
-                 group: Any = None) -> None:
-        self.reduce = CompressedAllReduce(make_codec(codec, density), group, error_feedback)
+                 group: Any = None, hierarchical: Topology | None = None) -> None:
+        # hierarchical: the topology whose nodes reduce over shared memory first (the whole world's group).
+        self.reduce = (HierarchicalAllReduce(make_codec(codec, density), hierarchical, error_feedback)
+                       if hierarchical is not None else CompressedAllReduce(make_codec(codec, density), group,
+                                                                            error_feedback))
         self.group = group
         self.warmup_steps = warmup_steps
         self.steps = 0  # completed gradient syncs (one per optimizer step; no_sync micro-batches skip the hook)
@@ -79,9 +84,14 @@ def compress_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futu
 
 
 def register_compression(model: torch.nn.Module, codec: str, density: float = 0.1, error_feedback: bool = True,
-                         warmup_steps: int = 0, group: Any = None) -> CompressionHook:
-    """Install the compressed sync on a DDP model; returns the hook's state (stats, residuals)."""
-    state = CompressionHook(codec, density, error_feedback, warmup_steps, group)
+                         warmup_steps: int = 0, group: Any = None,
+                         hierarchical: Topology | None = None) -> CompressionHook:
+    """Install the compressed sync on a DDP model; returns the hook's state (stats, residuals).
+
+    With `hierarchical` (the ranks' topology) each node reduces over shared memory first and
+    only the cross-node stage is compressed.
+    """
+    state = CompressionHook(codec, density, error_feedback, warmup_steps, group, hierarchical)
     state.names = {id(p): name for name, p in model.named_parameters()}
     model.register_comm_hook(state, compress_hook)
     return state

@@ -1,0 +1,184 @@
+"""`cs3 bench comm`: the gradient transports between 2 ranks, on loopback and over an emulated link.
+
+Per size (4..256 MiB of fp32): (a) point-to-point with both directions at once (the link's
+limit: the rate in one direction while the other also sends), (b) gloo's fp32 all-reduce,
+(c) cs3ray's fp32 two-phase all-reduce, (d) on loopback, the shared-memory intra-node
+all-reduce; then (e) each codec's compressed all-reduce at one size (64 MiB), quantization
+and error feedback included. All-reduce figures are bus bandwidth as nccl-tests defines it:
+algbw (bytes / time) x 2 (n-1) / n. Everything runs twice: between two processes on loopback,
+and between two processes in two network namespaces joined by a veth pair shaped to
+`--link-gbps` with tc (cs3ray.bench.netns; root and iproute2, else that part is skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from cs3ray.ops.ports import free_port
+
+from . import netns
+
+WORLD = 2
+MIB = 1 << 20
+SIZES_MIB, QUICK_SIZES_MIB = (4, 16, 64, 256), (4, 16)
+CODEC_MIB, QUICK_CODEC_MIB = 64, 16
+REPS, QUICK_REPS = 5, 2
+CODECS = ("bf16", "int8", "int4_sparse")
+RANK_TIMEOUT_S = 480
+LINK_PORT = 29400  # any port: the namespaces hold nothing else
+# glibc returns freed buffers above its mmap threshold (32 MiB at most) to the kernel, so every
+# fresh 64-256 MiB tensor is page-faulted in again: on the VMs of docs/benchmarks.md that, not the
+# arithmetic, made most of a codec's cost at 64 MiB. The ranks keep freed memory for reuse instead.
+RANK_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Gigabits per second (10^9 bits) of `nbytes` moved in `seconds`."""
+    return nbytes * 8 / seconds / 1e9
+
+
+def busbw_gbps(nbytes: float, seconds: float, world: int) -> float:
+    """All-reduce bus bandwidth (nccl-tests): algbw x 2 (n-1) / n, what each rank's link carries."""
+    return gbps(nbytes, seconds) * 2 * (world - 1) / world
+
+
+def _plan(quick: bool, shm: bool) -> dict[str, Any]:
+    return {"sizes_mib": list(QUICK_SIZES_MIB if quick else SIZES_MIB), "reps": QUICK_REPS if quick else REPS,
+            "codec_mib": QUICK_CODEC_MIB if quick else CODEC_MIB, "codecs": list(CODECS), "shm": shm}
+
+
+def _run_ranks(plan: dict[str, Any], link: netns.Link | None) -> dict[str, Any]:
+    """Start the two ranks (in the link's namespaces, or on loopback) and return rank 0's raw result."""
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-comm-") as tmp:
+        port = LINK_PORT if link else free_port()
+        procs, logs = [], []
+        for rank in range(WORLD):
+            cmd = [*(link.exec_prefix(rank) if link else []), sys.executable, "-m", "cs3ray.bench.comm_rank",
+                   "--rank", str(rank), "--world", str(WORLD), "--addr", netns.ADDRS[0] if link else "127.0.0.1",
+                   "--port", str(port), "--ifname", link.dev[rank] if link else "lo", "--plan", json.dumps(plan),
+                   "--out", os.path.join(tmp, f"rank{rank}.json")]
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RANK_ENV}))
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        timed_out = False
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        errors = []
+        for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            result = None
+            if os.path.exists(out):
+                with open(out) as f:
+                    result = json.load(f)
+            if p.returncode == 0 and (rank or result):
+                continue
+            if result and result.get("first_error"):
+                errors.append(result)
+            else:
+                log.seek(0)
+                lines = [ln.strip() for ln in log.read().splitlines() if ln.strip()]
+                why = f"did not finish in {RANK_TIMEOUT_S} s" if timed_out else f"exited with {p.returncode}"
+                errors.append({"first_error": f"rank {rank} {why}" + (f": {lines[-1]}" if lines else "")})
+        for log in logs:
+            log.close()
+        if errors:
+            return errors[0]
+        with open(os.path.join(tmp, "rank0.json")) as f:
+            return json.load(f)
+
+
+def summarize_path(raw: dict[str, Any]) -> dict[str, Any]:
+    """Bandwidths per size; at top level those of the largest size and the worst busbw_cs3 / p2p_bidir."""
+    by_size: dict[str, dict[str, float]] = {}
+    for mib, row in raw["sizes"].items():
+        nbytes = int(mib) * MIB
+        d = {"p2p_bidir_gbps": gbps(nbytes, row["p2p_bidir_s"]),
+             "busbw_gloo_gbps": busbw_gbps(nbytes, row["gloo_s"], WORLD),
+             "busbw_cs3_gbps": busbw_gbps(nbytes, row["cs3_s"], WORLD)}
+        if "shm_s" in row:
+            d["busbw_shm_gbps"] = busbw_gbps(nbytes, row["shm_s"], WORLD)
+        by_size[mib] = d
+    largest = by_size[max(by_size, key=int)]
+    out: dict[str, Any] = {k: largest[k] for k in ("p2p_bidir_gbps", "busbw_gloo_gbps", "busbw_cs3_gbps")}
+    out["bw_utilization"] = min(d["busbw_cs3_gbps"] / d["p2p_bidir_gbps"] for d in by_size.values())
+    if "busbw_shm_gbps" in largest:
+        out["busbw_shm_gbps"] = largest["busbw_shm_gbps"]
+    out["by_size"] = by_size
+    return out
+
+
+def _speedup(raw: dict[str, Any], codec_mib: int, name: str) -> float:
+    """fp32 (gloo) all-reduce time / the codec's compressed all-reduce time, at codec_mib."""
+    return raw["sizes"][str(codec_mib)]["gloo_s"] / raw["codecs"][name]["s"]
+
+
+def run(quick: bool = False, link_gbps: float = 1.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure on loopback, then over the emulated link (skipped with a reason where it cannot be made)."""
+    started = time.perf_counter()
+    plan = _plan(quick, shm=True)
+    log(f"loopback: 2 ranks, sizes {plan['sizes_mib']} MiB, codecs at {plan['codec_mib']} MiB")
+    loop_raw = _run_ranks(plan, None)
+    if loop_raw.get("first_error"):
+        return {"loopback": loop_raw}
+    link_raw: dict[str, Any] | None = None
+    skipped = netns.unavailable()
+    if skipped is None:
+        try:
+            with netns.Link(link_gbps) as link:
+                log(f"emulated link: namespaces {link.ns[0]}, {link.ns[1]}, veth shaped to {link_gbps:g} Gb/s (tbf)")
+                link_raw = _run_ranks(_plan(quick, shm=False), link)
+        except RuntimeError as exc:  # the host refused a namespace, veth or qdisc
+            skipped = f"the emulated link could not be made ({exc}); skipped"
+        if link_raw is not None and link_raw.get("first_error"):
+            return {"link": link_raw}
+    if skipped:
+        log(skipped)
+    loopback = summarize_path(loop_raw)
+    linked = summarize_path(link_raw) if link_raw else None
+    top = ("p2p_bidir_gbps", "busbw_gloo_gbps", "busbw_cs3_gbps", "bw_utilization")
+    shm_speedup = min(d["busbw_shm_gbps"] / d["busbw_gloo_gbps"] for d in loopback["by_size"].values())
+    codecs = {name: {"wire_ratio": loop_raw["codecs"][name]["wire_ratio"],
+                     "quant_ms_per_mib": loop_raw["codecs"][name]["quant_ms_per_mib"],
+                     "loopback_speedup": _speedup(loop_raw, plan["codec_mib"], name),
+                     "link_speedup": _speedup(link_raw, plan["codec_mib"], name) if link_raw else None}
+              for name in CODECS}
+    return {
+        **{k: linked[k] if linked else None for k in top},
+        "link_gbps": link_gbps if linked else None, "link_skipped": skipped,
+        "link_by_size": linked["by_size"] if linked else None,
+        "loopback": loopback, "shm_speedup": shm_speedup, "codecs": codecs,
+        "ranks": WORLD, "sizes_mib": plan["sizes_mib"], "codec_mib": plan["codec_mib"], "reps": plan["reps"],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def rows(r: dict[str, Any]) -> list[tuple]:
+    """Table rows: measure, loopback, emulated link."""
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+    lo = r["loopback"]
+    out = [(f"{name} (Gb/s)", fmt(lo[key]), fmt(r[key])) for name, key in (
+        ("p2p bidirectional, one direction", "p2p_bidir_gbps"), ("busbw gloo fp32", "busbw_gloo_gbps"),
+        ("busbw cs3ray fp32", "busbw_cs3_gbps"))]
+    out.append(("busbw shared memory (Gb/s)", fmt(lo.get("busbw_shm_gbps")), "-"))
+    out.append(("bw utilization (worst size)", fmt(lo["bw_utilization"]), fmt(r["bw_utilization"])))
+    out.append(("shm speedup over gloo (worst size)", fmt(r["shm_speedup"]), "-"))
+    for name, c in r["codecs"].items():
+        out.append((f"{name} speedup at {r['codec_mib']} MiB (wire {c['wire_ratio']:.4f}, "
+                    f"{c['quant_ms_per_mib']:.2f} ms/MiB)", fmt(c["loopback_speedup"]), fmt(c["link_speedup"])))
+    return out

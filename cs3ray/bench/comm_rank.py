@@ -1,0 +1,136 @@
+"""One rank of `cs3 bench comm`: `python -m cs3ray.bench.comm_rank ...`, started by cs3ray.bench.comm.
+
+A plain process (inside a network namespace for the emulated link) so that gloo's traffic takes
+the path under test. Every timing is the slower rank's (both start after a barrier), the median
+of `reps` after one untimed warm-up call. Rank 0 writes the JSON result to --out; a rank that
+fails writes its error there and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from cs3ray.core.compress import CompressedAllReduce, ShmAllReduce, make_codec
+from cs3ray.core.compress.codec import Codec
+
+MIB = 1 << 20
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of `fn` on the slower rank, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
+
+
+def _encode_ms_per_mib(name: str, x: torch.Tensor, reps: int) -> float:
+    """This rank's median time to encode x with the codec, per MiB of fp32 input (one thread)."""
+    codec = make_codec(name)
+    codec.encode(x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        codec.encode(x)
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times) / (x.numel() * 4 / MIB)
+
+
+def _measure_size(mib: int, reps: int, shm: bool) -> dict[str, float]:
+    """Seconds of (a) point-to-point both ways, (b) gloo's, (c) cs3ray's fp32 all-reduce, (d) shared memory."""
+    rank = dist.get_rank()
+    peer = 1 - rank
+    x = torch.randn(mib * MIB // 4, generator=torch.Generator().manual_seed(rank))
+    y, z = torch.empty_like(x), x.clone()
+
+    def p2p() -> None:
+        # The receive first: gloo moves one direction at a time when both sides send before receiving.
+        recv = dist.irecv(y, peer)
+        send = dist.isend(x, peer)
+        send.wait()
+        recv.wait()
+    fp32 = CompressedAllReduce(Codec(), error_feedback=False)
+    row = {"p2p_bidir_s": timed(p2p, reps), "gloo_s": timed(lambda: dist.all_reduce(z), reps),
+           "cs3_s": timed(lambda: fp32("fp32", x, out=y), reps)}
+    if shm:
+        local = ShmAllReduce()
+        row["shm_s"] = timed(lambda: local(x, out=y), reps)
+        local.close()
+    return row
+
+
+def _measure_codec(name: str, x: torch.Tensor, reps: int) -> dict[str, float | None]:
+    """Seconds of the codec's compressed all-reduce of x, its wire ratio and its encode cost."""
+    codec = make_codec(name)
+    y = torch.empty_like(x)
+    # With error feedback, as training runs it: its residual arithmetic is part of the cost.
+    reduce = CompressedAllReduce(codec, error_feedback=True)
+    seconds = timed(lambda: reduce(name, x, out=y), reps)
+    world = dist.get_world_size()
+    expected = (reps + 1) * 2 * (world - 1) * codec.wire_bytes(-(-x.numel() // world))
+    if reduce.stats.bytes_sent != expected:  # the codec did not send what it should have
+        raise RuntimeError(f"codec {name} sent {reduce.stats.bytes_sent} bytes, expected {expected}")
+    return {"s": seconds, "wire_ratio": reduce.stats.wire_ratio, "quant_ms_per_mib": _encode_ms_per_mib(name, x, reps)}
+
+
+def measure(plan: dict[str, Any]) -> dict[str, Any]:
+    """Every measurement of the plan on this rank: seconds per size, and per codec at plan['codec_mib']."""
+    out: dict[str, Any] = {"sizes": {}, "codecs": {}}
+    for mib in plan["sizes_mib"]:
+        reps = plan["reps"] if mib < 256 else max(1, plan["reps"] - 1)
+        out["sizes"][str(mib)] = _measure_size(mib, reps, plan["shm"])
+    x = torch.randn(plan["codec_mib"] * MIB // 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for name in plan["codecs"]:
+        out["codecs"][name] = _measure_codec(name, x, plan["reps"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Join the 2-rank gloo group, measure, write the result (rank 0) or the error."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--addr", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--ifname", required=True)
+    ap.add_argument("--plan", required=True, help="the measurements, as JSON")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    os.environ.update(MASTER_ADDR=args.addr, MASTER_PORT=str(args.port), GLOO_SOCKET_IFNAME=args.ifname)
+    torch.set_num_threads(1)  # one core per rank, like the training workers on this host
+    try:
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+        try:
+            result = measure(json.loads(args.plan))
+        finally:
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - handed to the parent as this rank's first_error
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        with open(args.out, "w") as f:
+            json.dump({"first_error": f"rank {args.rank}: {type(exc).__name__}: {lines[0] if lines else ''}",
+                       "traceback": traceback.format_exc()}, f)
+        return 1
+    if args.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
