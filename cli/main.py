@@ -12,6 +12,7 @@ from .plan_cmd import plan_cmd
 from .report_cmd import report, runs_app
 from .serve_cmd import serve
 from .train_cmd import train_cmd
+from .validate_cmd import validate_cmd
 
 app = typer.Typer(help="cs3ray: elastic training and serving of PyTorch models on Ray.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -30,6 +31,7 @@ app.add_typer(cache_cmd.app, name="cache")
 app.add_typer(ckpt_cmd.app, name="ckpt")
 app.command("report")(report)
 app.command("plan")(plan_cmd)
+app.command("validate")(validate_cmd)
 app.add_typer(runs_app, name="runs")
 
 

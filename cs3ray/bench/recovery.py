@@ -34,7 +34,8 @@ from .ray_train_peer import make_trainer
 FAULT_TOLERANCE = "replicas"  # the mode whose figures are the top-level keys
 
 
-def _wait_for(events: Callable[[], list[dict]], pred: Callable[[dict], bool], timeout: float) -> dict:
+def wait_for(events: Callable[[], list[dict]], pred: Callable[[dict], bool], timeout: float) -> dict:
+    """The first event that satisfies `pred`, polling `events()`; TimeoutError after `timeout` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         hit = next((e for e in events() if pred(e)), None)
@@ -44,9 +45,9 @@ def _wait_for(events: Callable[[], list[dict]], pred: Callable[[dict], bool], ti
     raise TimeoutError("the benchmark run did not reach the expected state in time")
 
 
-def _measure(events: Callable[[], list[dict]], kill_after: int, timeout: float, replicas: bool = False) -> dict[str, Any]:
+def kill_and_measure(events: Callable[[], list[dict]], kill_after: int, timeout: float, replicas: bool = False) -> dict[str, Any]:
     """Kill worker 1 after step `kill_after`; return kill time, last step before it, and the events."""
-    _wait_for(events, lambda e: e["event"] == "progress" and e["step"] >= kill_after, timeout)
+    wait_for(events, lambda e: e["event"] == "progress" and e["step"] >= kill_after, timeout)
     if replicas:  # every replica announces its own process
         pid = [e for e in events() if e["event"] == "worker" and e["rank"] == 1][-1]["pid"]
     else:
@@ -55,28 +56,29 @@ def _measure(events: Callable[[], list[dict]], kill_after: int, timeout: float, 
     killed = time.time()
     os.kill(pid, signal.SIGKILL)
     back = "worker" if replicas else "start"  # the replacement process, or the restarted group
-    restart = _wait_for(events, lambda e: e["event"] == back and e["wall"] > killed, timeout)
-    first = _wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed, timeout)
-    full = _wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed and e.get("workers", 2) == 2,
+    restart = wait_for(events, lambda e: e["event"] == back and e["wall"] > killed, timeout)
+    first = wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed, timeout)
+    full = wait_for(events, lambda e: e["event"] == "progress" and e["wall"] > killed and e.get("workers", 2) == 2,
                      timeout)
     return {"killed": killed, "last_before": last_before, "restart": restart, "first": first, "full": full}
 
 
-def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     """Start `fn` in a daemon thread; the dict gets its "result" or its "error"."""
     out: dict[str, Any] = {}
 
     def target() -> None:
         try:
             out["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread (_joined)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread (joined)
             out["error"] = exc
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, out
 
 
-def _joined(thread: threading.Thread, out: dict[str, Any], timeout: float, what: str) -> Any:
+def joined(thread: threading.Thread, out: dict[str, Any], timeout: float, what: str) -> Any:
+    """The result of an `in_thread` function once it ends (its error re-raised here); TimeoutError if it does not."""
     thread.join(timeout)
     if thread.is_alive():
         raise TimeoutError(f"{what} did not finish within {timeout:.0f} s")
@@ -102,15 +104,15 @@ def _cs3_run(root: str, steps: int, every: int, batch: int, kill_after: int, tim
         "train.eval_every=100000", "train.eval_batches=1", f"train.batch_size={batch}", "cluster.max_failures=2",
         "checkpoint.keep=2", f"cluster.fault_tolerance={fault_tolerance}", "cache.trace=true"])
     seen: list[dict] = []
-    runner, out = _in_thread(lambda: train(cfg, on_event=seen.append, quiet=True))
+    runner, out = in_thread(lambda: train(cfg, on_event=seen.append, quiet=True))
     replicas = fault_tolerance == "replicas"
     try:
-        m = _measure(lambda: list(seen), kill_after, timeout, replicas)
+        m = kill_and_measure(lambda: list(seen), kill_after, timeout, replicas)
     except TimeoutError:
         if "error" in out:  # the run failed: that is the error to name
             raise out["error"] from None
         raise
-    summary = _joined(runner, out, timeout, f"the cs3ray run (fault_tolerance={fault_tolerance})")
+    summary = joined(runner, out, timeout, f"the cs3ray run (fault_tolerance={fault_tolerance})")
     killed = m["killed"]
     if replicas:  # nothing is restored: the survivor goes on from its live state
         resumed_at, source = m["first"]["step"] - 1, "peer"
@@ -136,14 +138,14 @@ def _peer_run(root: str, steps: int, every: int, batch: int, kill_after: int, ti
             return [json.loads(line) for line in f if line.strip()]
 
     trainer = make_trainer(log, os.path.join(root, "peer-storage"), steps, every, batch, 128)
-    runner, out = _in_thread(trainer.fit)
+    runner, out = in_thread(trainer.fit)
     try:
-        m = _measure(events, kill_after, timeout)
+        m = kill_and_measure(events, kill_after, timeout)
     except TimeoutError:
         if "error" in out:
             raise out["error"] from None
         raise
-    _joined(runner, out, timeout, "the plain Ray Train run")
+    joined(runner, out, timeout, "the plain Ray Train run")
     return {"ray_train_recovery_s": m["first"]["wall"] - m["killed"],
             "ray_train_full_size_s": m["full"]["wall"] - m["killed"],
             "ray_train_steps_lost": m["last_before"] - m["restart"]["step"]}
