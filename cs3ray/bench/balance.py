@@ -86,7 +86,7 @@ def _tokens_per_s(events: list[dict], after: int) -> float:
 
 def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Both runs; the JSON-able result."""
-    steps, every = (16, 2) if quick else (60, 5)
+    steps, every = (12, 2) if quick else (60, 5)
     overrides = BASE + [f"train.steps={steps}", f"train.balance_every={every}"]
     per_row = seconds_per_row(overrides)
     log(f"the model's CPU time per row on one thread: {per_row * 1e3:.2f} ms; rank 1 slowed {slowdown:g}x")

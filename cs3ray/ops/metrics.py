@@ -87,8 +87,10 @@ class RunMetrics:
     """A run's Prometheus gauges, set by the driver from the events its workers report.
 
     The driver sees every event of every worker-group attempt, so restarts and recoveries are
-    counted where they are observed; the gauges vanish from the endpoint some time after the
-    driver exits, as a finished run's should.
+    counted where they are observed. Ray's metrics agent drops a gauge value not reported again
+    within two report intervals, so `refresh` re-sets every value at each of the driver's polls
+    (a restore's seconds, set once, would otherwise vanish); they leave the endpoint that long
+    after the driver exits, as a finished run's should.
     """
 
     def __init__(self, run_name: str) -> None:
@@ -101,17 +103,22 @@ class RunMetrics:
             self._gauges[key] = g
         self._starts = 0
         self._recoveries = 0
-        for key in ("restarts", "recoveries"):
-            self._gauges[key].set(0.0)
+        self._values: dict[str, float] = {"restarts": 0.0, "recoveries": 0.0}
+        self.refresh()
 
     def observe(self, event: dict[str, Any]) -> None:
         """Update the gauges an event carries figures for."""
-        for key, value in event_figures(event).items():
-            self._gauges[key].set(value)
+        self._values.update(event_figures(event))
         kind = event.get("event")
         if kind == "start":  # each worker-group attempt starts once; the first is not a restart
             self._starts += 1
-            self._gauges["restarts"].set(float(self._starts - 1))
+            self._values["restarts"] = float(self._starts - 1)
         elif kind == "healed":
             self._recoveries += 1
-            self._gauges["recoveries"].set(float(self._recoveries))
+            self._values["recoveries"] = float(self._recoveries)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Report every gauge's latest value again (see the class doc)."""
+        for key, value in self._values.items():
+            self._gauges[key].set(value)

@@ -332,6 +332,7 @@ def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metri
         observe_all(loggers, e)
         if on_event:
             on_event(e)
+    metrics.refresh()
     if new:
         log.flush()
     return new

@@ -1,14 +1,20 @@
-"""A run's metrics on Ray's Prometheus endpoint: the session head's `--metrics-export-port` text parses with
-prometheus_client's parser and holds every cs3_train gauge while `cs3 train` runs against the head, restore
-and compression figures included once a resumed run resizes to 2 workers with int8 gradients (fp32, then fp16)."""
+"""A run's figures where users watch them: every cs3_train gauge on Ray's Prometheus endpoint (the session head's
+`--metrics-export-port`, parsed with prometheus_client's parser) while `cs3 train` runs against the head, restore
+and compression figures included once a resumed run resizes to 2 workers with int8 gradients (fp32, then fp16);
+and, with `run.loggers`, TensorBoard event files and an MLflow run (a local store) read back with each tool's
+own reader, the resumed run continuing both. A logger whose package is missing is one line."""
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import time
 
 import pytest
 
+from cs3ray.config import load_config
+from cs3ray.errors import UserError
+from cs3ray.ops import run_loggers
 from cs3ray.ops.metrics import TRAIN_GAUGES
 
 from conftest import ROOT
@@ -48,16 +54,36 @@ def watch(cmd: list[str], env: dict, url: str, run: str, wanted: set[str]) -> di
     return seen
 
 
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a folder's TensorBoard event files (TFRecord frames of Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
 @pytest.mark.slow
-def test_metrics_endpoint_holds_the_runs_gauges(ray_head, tmp_path):
-    run_dir = tmp_path / "metered"
+def test_metrics_endpoint_and_loggers_hold_the_runs_figures(ray_head, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store for the test; users run a server
+    run_dir, store = tmp_path / "metered", tmp_path / "mlruns"
+    env = dict(ray_head.env(), MLFLOW_TRACKING_URI=f"file://{store}", MLFLOW_ALLOW_FILE_STORE="true")
     base = ["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "run.name=metered", *SMALL,
-            "--address", ray_head.address]
+            "run.loggers=[tensorboard, mlflow]", "run.mlflow_experiment=cs3-test", "--address", ray_head.address]
     names = {f"ray_cs3_train_{k}" for k in TRAIN_GAUGES}
     later = {"ray_cs3_train_checkpoint_restore_s", "ray_cs3_train_comm_bytes_per_step", "ray_cs3_train_wire_ratio"}
 
-    first = watch([*base, "train.steps=3", "cluster.workers=1"], ray_head.env(), ray_head.metrics_url, "metered",
-                  names - later)
+    first = watch([*base, "train.steps=3", "cluster.workers=1"], env, ray_head.metrics_url, "metered", names - later)
     assert names - later <= first.keys(), sorted(names - later - first.keys())
     assert first["ray_cs3_train_step"] == 3 and first["ray_cs3_train_restarts"] == 0
     assert first["ray_cs3_train_grad_norm"] > 0 and first["ray_cs3_train_checkpoint_save_s"] > 0
@@ -65,9 +91,33 @@ def test_metrics_endpoint_holds_the_runs_gauges(ray_head, tmp_path):
     # Resumed on 2 workers with int8 gradients in fp16 (a checkpoint loads in any precision): a restore, bytes
     # on the wire and a loss scale.
     second = watch([*base, "--resume", "train.steps=6", "cluster.workers=2", "compression.codec=int8", "precision=fp16"],
-                   ray_head.env(), ray_head.metrics_url, "metered", names)
+                   env, ray_head.metrics_url, "metered", names)
     assert names <= second.keys(), sorted(names - second.keys())
     assert second["ray_cs3_train_step"] == 6 and second["ray_cs3_train_workers"] == 2
     assert second["ray_cs3_train_checkpoint_restore_s"] > 0
     assert 0 < second["ray_cs3_train_wire_ratio"] < 0.5 and second["ray_cs3_train_comm_bytes_per_step"] > 0
     assert second["ray_cs3_train_loss_scale"] > 1 and first["ray_cs3_train_loss_scale"] == 1
+
+    # The same figures in TensorBoard and MLflow, the resumed run continuing the first's.
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["cs3/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in scalars["cs3/val_loss"]] == [0, 3, 6]
+    assert {"cs3/tokens_per_s", "cs3/mfu", "cs3/grad_norm", "cs3/checkpoint_save_s", "cs3/checkpoint_restore_s",
+            "cs3/wire_ratio"} <= scalars.keys()
+    client = mlflow.tracking.MlflowClient(f"file://{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name("cs3-test").experiment_id])
+    assert run.info.run_name == "metered" and run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == "3" and run.data.params["precision"] == "fp32"  # the first run's
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
+    assert [m.value for m in losses] == pytest.approx([v for _, v in scalars["cs3/loss"]], rel=1e-6)
+
+
+def test_a_logger_whose_package_is_missing_is_one_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["run.loggers=[mlflow]"])
+    with pytest.raises(UserError, match=r"^run.loggers names mlflow, but mlflow is not installed here \(pip install mlflow\)$"):
+        run_loggers.check_loggers(cfg)

@@ -50,7 +50,7 @@ def test_workers_go_where_placement_and_labels_say(zones, tmp_path, overrides, e
     address, zone_of = zones
     proc = train(address, tmp_path / "run", *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert worker_zones(tmp_path / "run", zone_of) == expected
+    assert sorted(worker_zones(tmp_path / "run", zone_of)) == expected  # which node holds rank 0 is Ray's choice
 
 
 @pytest.mark.slow

@@ -189,6 +189,10 @@ def test_cli_imports_and_refuses_in_one_line(hf_dirs, tmp_path):
     src, _ = hf_dirs(True)
     ok = run_cs3(["ckpt", "import-hf", str(src), "--name", str(tmp_path / "run"), "--json"], check=True)
     assert json.loads(ok.stdout.strip().splitlines()[-1])["step"] == 0
+    # `cs3 generate` runs the imported model with the directory's tokenizer (serve loads it the same way).
+    gen = run_cs3(["generate", str(tmp_path / "run"), "--prompt", "def f(x):", "--max-tokens", "6",
+                   "--temperature", "0", "--dtype", "fp32"], check=True)
+    assert gen.stdout.strip()
     with pytest.raises(UserError, match="already has checkpoints; import into a new run name"):
         import_hf(str(src), str(tmp_path / "run"))
     bad = _broken(src, tmp_path, lambda b, c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
