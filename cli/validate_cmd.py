@@ -26,6 +26,9 @@ def validate_cmd(address: Optional[str] = AddressOpt,
                  quick: bool = typer.Option(False, "--quick", help="A short pass of every item (about 90 s on 2 cores)."),
                  storage: Optional[str] = typer.Option(None, "--storage", help="Where to measure read throughput: a "
                                                        "folder or fsspec URL, e.g. your runs' bucket (default: a temp folder)."),
+                 min_mfu: float = typer.Option(0.2, "--min-mfu", min=0.0, max=1.0, help="MFU the validation run must "
+                                               "reach: the tiny model under-fills accelerators, so lower it on GPU nodes "
+                                               "(and judge your own model with `cs3 bench train`)."),
                  out: Optional[Path] = OutOpt,
                  as_json: bool = JsonOpt) -> None:
     """Measure the go-live checklist on the cluster: versions and clocks, collective bandwidth vs the link,
@@ -33,7 +36,7 @@ def validate_cmd(address: Optional[str] = AddressOpt,
     Exit codes: 0 every item passed; 1 an item failed (named); 2 bad input."""
     from cs3ray.bench import validate
 
-    r = measured("validate", validate.run, address, quick, storage,
+    r = measured("validate", validate.run, address, quick, storage, min_mfu,
                  log=lambda line: err_console.print(line, highlight=False))
     emit(f"cs3 validate ({r['level']})", validate.COLUMNS, validate.rows(r), r, as_json)
     if out is not None:
