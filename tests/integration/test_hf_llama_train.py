@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 LR, STEPS = 1e-3, 2
 
 
+@pytest.mark.slow
 def test_cs3_train_fine_tunes_a_hugging_face_llama(ray_head, tmp_path):
     tok = train_bpe(["def f(x):\n    return x + 1\n" * 20, "import os, sys\nclass A:\n    pass\n" * 20], 300)
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ ARGS = ["precision=fp32", "model.dim=64", "model.n_layers=3", "model.n_heads=4",
         "parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=gpipe"]
 
 
+@pytest.mark.slow
 def test_pipeline_run_trains_on_the_global_order_and_reports_its_stages(ray_head, tmp_path):
     from cs3ray.train.driver import prepare_data
 
