@@ -12,10 +12,11 @@ reduce-scatter). cs3ray counts its bytes as it sends them; torch's hooks are cou
 they send: bf16 half of fp32; quantization_pertensor all-gathers one uint8 per value plus its
 scale and zero point from every rank ((n-1) x (numel + 8) bytes sent); PowerSGD all-reduces
 its P and Q matrices and, uncompressed, the tensors it does not compress (its own
-numel-after / numel-before count). overlap_fraction (DDP) is measured after training: the
-median step with sync, the same step under `no_sync` (compute alone) and a replay of the last
-step's buckets through the same hook (communication alone); hidden = (compute + comm - step) /
-comm, clipped to [0, 1].
+numel-after / numel-before count). overlap_fraction is measured after training: the median
+step with sync, the same step without gradient communication (compute alone: DDP's `no_sync`;
+FSDP2's reduce-scatter replaced by a copy of the rank's own chunk) and a replay of one step's
+buckets (DDP) or reduce-scatter inputs (FSDP2) through the same sync (communication alone);
+hidden = (compute + comm - step) / comm, clipped to [0, 1].
 """
 
 import dataclasses
@@ -51,7 +52,6 @@ LAST = 10  # final_loss: mean of the last steps' loss (less noise than one step)
 DDP_CODECS = ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_quant_pertensor_hook", "torch_powersgd_r2")
 FSDP_CODECS = ("none", "int8", "int4_sparse", "torch_fsdp_reduce_bf16")
 OURS = ("int8", "int4_sparse")
-FSDP_OVERLAP_NOTE = "not measured: no replay of FSDP2's reduce-scatter outside backward is built"
 # torch peers known not to run here, and the error that shows it: quantization_pertensor_hook
 # indexes the all-gathered (scale, zero point) pairs as one more level of nesting than gloo's
 # future returns.
@@ -121,6 +121,47 @@ def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorde
     raise ValueError(f"unknown ddp codec {codec!r}")
 
 
+class _FsdpSync:
+    """What the wrapped reduce-scatters of one FSDP2 model do: sync, record their inputs, or skip the exchange."""
+
+    def __init__(self) -> None:
+        self.mode = "sync"  # "record" also keeps each call's input; "skip" moves no bytes
+        self.calls: list[tuple[Any, torch.Tensor, torch.Tensor, Any, Any]] = []
+
+
+class _FsdpReduceScatter:
+    """One FSDP module's reduce-scatter (FSDP2's default or cs3ray's compressed one), wrapped for `_FsdpSync`."""
+
+    def __init__(self, inner: Any, sync: _FsdpSync) -> None:
+        self.inner, self.sync = inner, sync
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The wrapped reduce-scatter's buffer."""
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        """Reduce-scatter as the wrapped one does, or (skip) copy this rank's own chunk in its place."""
+        if self.sync.mode == "skip":
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+            return None
+        if self.sync.mode == "record":
+            self.sync.calls.append((self.inner, output_tensor.clone(), input_tensor.clone(), group, op))
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                          async_op=async_op)
+
+
+def _wrap_fsdp_reduce_scatter(model: torch.nn.Module) -> _FsdpSync:
+    """Wrap every FSDP module's current reduce-scatter (after training: the runs keep their own sync)."""
+    sync = _FsdpSync()
+    for module in model.modules():
+        if hasattr(module, "set_custom_reduce_scatter"):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                module.set_custom_reduce_scatter(_FsdpReduceScatter(group._reduce_scatter_comm, sync))
+    return sync
+
+
 def _hook_state_bytes(rec: _Recorder) -> int:
     """Bytes a torch hook keeps between steps (PowerSGD: its error feedback and warm-start P and Q)."""
     state = rec.state
@@ -160,9 +201,16 @@ def _timed(fn: Callable[[], Any]) -> float:
     return float(t)
 
 
+def _hidden(step_s: list[float], compute_s: list[float], comm_s: list[float]) -> dict[str, float | None]:
+    """The share of communication hidden under compute, from the medians of the timed rounds."""
+    step, compute, comm = (statistics.median(x) for x in (step_s, compute_s, comm_s))
+    hidden = min(1.0, max(0.0, (compute + comm - step) / comm)) if comm > 0 else None
+    return {"overlap_fraction": hidden, "step_s": step, "compute_s": compute, "comm_s": comm}
+
+
 def _overlap(core: ComputeCore, rec: _Recorder, batch: Callable[[], np.ndarray], lr: float,
              rounds: int) -> dict[str, float | None]:
-    """Median step with sync, compute alone (no_sync) and the step's buckets replayed (comm alone)."""
+    """DDP: median step with sync, compute alone (no_sync) and the step's buckets replayed (comm alone)."""
     step_s, compute_s, comm_s = [], [], []
 
     def replay() -> None:
@@ -176,9 +224,29 @@ def _overlap(core: ComputeCore, rec: _Recorder, batch: Callable[[], np.ndarray],
         comm_s.append(_timed(replay))
         with core.model.no_sync():
             compute_s.append(_timed(lambda: core.step(batch, lr)))
-    step, compute, comm = (statistics.median(x) for x in (step_s, compute_s, comm_s))
-    hidden = min(1.0, max(0.0, (compute + comm - step) / comm)) if comm > 0 else None
-    return {"overlap_fraction": hidden, "step_s": step, "compute_s": compute, "comm_s": comm}
+    return _hidden(step_s, compute_s, comm_s)
+
+
+def _fsdp_overlap(core: ComputeCore, batch: Callable[[], np.ndarray], lr: float, rounds: int) -> dict[str, float | None]:
+    """FSDP2: median step with sync, the step with each reduce-scatter skipped (compute alone) and one
+    step's reduce-scatter inputs replayed through the same reduce-scatters (comm alone)."""
+    sync = _wrap_fsdp_reduce_scatter(core.model)
+    sync.mode = "record"  # an untimed step: cloning the inputs would weigh on a timed one
+    core.step(batch, lr)
+    sync.mode = "sync"
+    step_s, compute_s, comm_s = [], [], []
+    for _ in range(rounds):
+        step_s.append(_timed(lambda: core.step(batch, lr)))
+        calls = [(inner, out, inp.clone(), group, op) for inner, out, inp, group, op in sync.calls]
+
+        def replay(calls: list = calls) -> None:
+            for inner, out, inp, group, op in calls:
+                inner(output_tensor=out, input_tensor=inp, group=group, op=op)
+        comm_s.append(_timed(replay))
+        sync.mode = "skip"
+        compute_s.append(_timed(lambda: core.step(batch, lr)))
+        sync.mode = "sync"
+    return _hidden(step_s, compute_s, comm_s)
 
 
 def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides: list[str], steps: int,
@@ -217,12 +285,10 @@ def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides:
         "wire_ratio": wire, "state_bytes_per_worker": memory["state_bytes"] + (_hook_state_bytes(rec) if rec else 0),
         "residual_bytes": memory["residual_bytes"], "train_s": round(train_s, 2), "losses": losses,
     }
-    if rec is not None:
-        step_rows = batches[:WORLD * per]
-        result.update(_overlap(core, rec, lambda: step_rows[rank * per:(rank + 1) * per], t.lr * t.min_lr_ratio,
-                               timed_rounds))
-    else:
-        result.update(overlap_fraction=None, overlap_note=FSDP_OVERLAP_NOTE)
+    step_rows = batches[:WORLD * per]
+    batch, lr = (lambda: step_rows[rank * per:(rank + 1) * per]), t.lr * t.min_lr_ratio
+    result.update(_overlap(core, rec, batch, lr, timed_rounds) if rec is not None
+                  else _fsdp_overlap(core, batch, lr, timed_rounds))
     return result
 
 
@@ -308,7 +374,7 @@ def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...
     return {
         "config": CONFIG, "overrides": ov, "precision": resolve_precision(cfg.precision, torch.device("cpu")),
         "ranks": WORLD, "steps": steps, "final_loss_of_last": LAST, "timed_rounds": rounds,
-        "codecs": ddp, "fsdp": {"codecs": fsdp, "overlap_note": FSDP_OVERLAP_NOTE},
+        "codecs": ddp, "fsdp": {"codecs": fsdp},
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
