@@ -1,6 +1,8 @@
 """Run by test_topology.py in a subprocess: 2 simulated nodes (ray.cluster_utils.Cluster), 4 workers.
 
-Each worker discovers its topology with tp=2 and writes it to a file; this script prints
+Each worker discovers its topology with tp=2, then syncs a gradient with hierarchical int8
+compression over that topology (shared memory between the two workers of a node, int8 across
+the nodes: what `compression.hierarchical` runs) and writes both to a file; this script prints
 all of them as one JSON list. A subprocess keeps this cluster away from the session's one.
 """
 
@@ -13,6 +15,35 @@ import tempfile
 
 import ray
 from ray.cluster_utils import Cluster
+
+
+def hierarchical_sync(topo) -> dict:
+    """The hierarchical int8 mean and reduce-scatter of this rank's gradient, against gloo's fp32 ones."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from cs3ray.core.compress import HierarchicalAllReduce, make_codec
+
+    world, rank = topo.world, topo.rank
+    grads = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    exact = torch.stack(grads).mean(0)
+    reduce = HierarchicalAllReduce(make_codec("int8"), topo)
+    try:
+        mean = reduce("grad", grads[rank].clone())
+        shard = torch.empty(4096 // world)
+        reduce.reduce_scatter("shard", grads[rank].clone(), shard)
+        gloo = grads[rank].clone()
+        dist.all_reduce(gloo)
+        return {"nodes": reduce.nodes, "local_size": reduce.local_size, "shm": reduce.local is not None,
+                "mean_err": float((mean - exact).abs().max()), "scale": float(exact.abs().max()),
+                "gloo_err": float((gloo / world - exact).abs().max()),
+                "shard_err": float((shard - exact.view(world, -1)[rank]).abs().max()),
+                "mean_sha": hashlib.sha256(mean.numpy().tobytes()).hexdigest(),
+                "bytes_sent": reduce.stats.bytes_sent, "fp32_ring_bytes": reduce.stats.fp32_ring_bytes}
+    finally:
+        reduce.close()
 
 
 def worker(config: dict) -> None:
@@ -28,7 +59,8 @@ def worker(config: dict) -> None:
     with open(os.path.join(config["out"], f"{rank}.json"), "w") as f:
         json.dump({"rank": rank, "zone": zone, "node": node, "node_rank": topo.node_rank,
                    "local_peers": topo.local_peers, "tp_group": topo.tp_group_ranks(),
-                   "tp_group_nodes": sorted({topo.node_ids[r] for r in topo.tp_group_ranks()})}, f)
+                   "tp_group_nodes": sorted({topo.node_ids[r] for r in topo.tp_group_ranks()}),
+                   "hierarchical": hierarchical_sync(topo)}, f)
 
 
 def main() -> None:
