@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import traceback
 from typing import Any
 
 import numpy as np
@@ -15,7 +13,7 @@ from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.core.state import local_optimizer
 
-from helpers.ranks import spawn_ranks
+from helpers.ranks import gloo_ranks
 
 MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=64", "model.max_seq_len=32",
          "train.seq_len=16", "train.clip=1.0", "train.lr=1e-2", "train.warmup_steps=0"]
@@ -72,25 +70,15 @@ def run_core(overrides: list[str], rank: int, world: int, batches: list[np.ndarr
             "trainable": len({id(p) for p in core.model.parameters()})}
 
 
-def _entry(rank: int, world: int, port: int, jobs: list[tuple], batches, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, overrides, *options in jobs:
-            results[name] = run_core(overrides, rank, world, batches, **(options[0] if options else {}))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, results))
+def _entry(rank: int, world: int, results: dict, jobs: list[tuple], batches) -> None:
+    for name, overrides, *options in jobs:
+        results[name] = run_core(overrides, rank, world, batches, **(options[0] if options else {}))
 
 
 def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dict]:
     """Run several (name, overrides[, run_core options]) jobs one after another in `world` processes;
     rank 0's and rank 1's results."""
-    results = spawn_ranks(_entry, world, jobs, batches)
+    results = gloo_ranks(_entry, world, jobs, batches)
     for r in results.values():
         if "error" in r:
             raise AssertionError(r["error"])

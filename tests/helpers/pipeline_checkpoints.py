@@ -3,13 +3,10 @@ pp=1 and back."""
 
 from __future__ import annotations
 
-import os
-import traceback
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml
@@ -18,7 +15,7 @@ from cs3ray.core.mesh import Topology
 from cs3ray.models import ByteTokenizer
 
 from helpers.core import MODEL
-from helpers.ranks import spawn_ranks
+from helpers.ranks import gloo_ranks
 
 
 def core_for(overrides: list[str], rank: int, world: int) -> ComputeCore:
@@ -48,30 +45,20 @@ def resume(core: ComputeCore, url: str) -> int:
     return step
 
 
-def _entry(rank: int, world: int, port: int, root: str, batches: list[np.ndarray], split: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result: dict[str, Any] = {}
-    try:
-        core = core_for(["parallel.pp=2"], rank, world)
-        train(core, batches[:split])
-        save(core, f"{root}/pp2", split)
-        # The other schedule holds other modules per rank (stages 0+2 and 1+3): the same names, resharded.
-        core = core_for(["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], rank, world)
-        result["resumed_step"] = resume(core, f"{root}/pp1")
-        result["losses"] = train(core, batches[split:])
-    except Exception:  # noqa: BLE001 - reported to the parent
-        result["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, result))
+def _entry(rank: int, world: int, results: dict, root: str, batches: list[np.ndarray], split: int) -> None:
+    core = core_for(["parallel.pp=2"], rank, world)
+    train(core, batches[:split])
+    save(core, f"{root}/pp2", split)
+    # The other schedule holds other modules per rank (stages 0+2 and 1+3): the same names, resharded.
+    core = core_for(["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], rank, world)
+    results["resumed_step"] = resume(core, f"{root}/pp1")
+    results["losses"] = train(core, batches[split:])
 
 
 def pp2_round_trip(root: str, batches: list[np.ndarray], split: int) -> dict[int, Any]:
     """In 2 ranks at pp=2: train `split` steps (1f1b) and save root/pp2; resume root/pp1 (interleaved 1f1b) and
     train the rest."""
-    results = spawn_ranks(_entry, 2, root, batches, split)
+    results = gloo_ranks(_entry, 2, root, batches, split)
     errors = [r["error"] for r in results.values() if "error" in r]
     assert not errors, errors[0]
     return results

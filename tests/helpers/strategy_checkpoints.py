@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import torch
-import torch.distributed as dist
 
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config, to_yaml
@@ -15,39 +11,29 @@ from cs3ray.core.mesh import Topology
 from cs3ray.models import ByteTokenizer
 
 from helpers.core import MODEL, global_batches
-from helpers.ranks import spawn_ranks
+from helpers.ranks import gloo_ranks
 
 STRATEGIES = {"ddp": ["parallel.strategy=ddp"], "zero1": ["parallel.strategy=zero1"],
               "fsdp": ["parallel.strategy=fsdp"], "tp": ["parallel.tp=2"]}
 
 
-def _entry(rank: int, world: int, port: int, root: str, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    error = None
-    try:
-        batch = global_batches(1, rows=4)[0]
-        for name, overrides in STRATEGIES.items():
-            cfg = load_config(None, MODEL + [f"cluster.workers={world}", "precision=fp32", *overrides])
-            topo = Topology(rank, world, cfg.parallel.tp, ("n0",) * world)
-            core = ComputeCore(cfg, torch.device("cpu"), topo)
-            per = len(batch) // topo.dp
-            core.step(lambda rows=batch[topo.dp_rank * per:(topo.dp_rank + 1) * per]: rows, lr=cfg.train.lr)  # optimizer state
-            files = {"config.yaml": to_yaml(cfg), "tokenizer.json": ByteTokenizer().to_json()}
-            mgr = CheckpointManager(f"{root}/{name}", keep=1)
-            mgr.save(1, core.state(), {"step": 1}, {}, files)
-            assert mgr.load(core.state())[0] == 1  # back through the restricted reader, on every rank
-            mgr.close()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        error = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, error))
+def _entry(rank: int, world: int, results: dict, root: str) -> None:
+    batch = global_batches(1, rows=4)[0]
+    for name, overrides in STRATEGIES.items():
+        cfg = load_config(None, MODEL + [f"cluster.workers={world}", "precision=fp32", *overrides])
+        topo = Topology(rank, world, cfg.parallel.tp, ("n0",) * world)
+        core = ComputeCore(cfg, torch.device("cpu"), topo)
+        per = len(batch) // topo.dp
+        core.step(lambda rows=batch[topo.dp_rank * per:(topo.dp_rank + 1) * per]: rows, lr=cfg.train.lr)  # optimizer state
+        files = {"config.yaml": to_yaml(cfg), "tokenizer.json": ByteTokenizer().to_json()}
+        mgr = CheckpointManager(f"{root}/{name}", keep=1)
+        mgr.save(1, core.state(), {"step": 1}, {}, files)
+        assert mgr.load(core.state())[0] == 1  # back through the restricted reader, on every rank
+        mgr.close()
 
 
 def save_and_load_every_strategy(root: str, world: int = 2) -> None:
     """A checkpoint of every strategy under root/<strategy>, each saved and loaded back by 2 ranks."""
-    results = spawn_ranks(_entry, world, root)
-    errors = [err for err in results.values() if err]
+    results = gloo_ranks(_entry, world, root)
+    errors = [r["error"] for r in results.values() if "error" in r]
     assert not errors, errors[0]

@@ -60,12 +60,9 @@ def test_resplit_stream_covers_the_same_samples_in_the_same_order(tmp_path):
         s.close()
 
 
-def _balanced_ranks(rank: int, world: int, port: int, out) -> None:
+def _balanced_ranks(rank: int, world: int, results: dict) -> None:
     """Each strategy trains 3 steps twice from the same seed: equal shares (4, 4), then (6, 2) of the same
     global batches with the balance weights; returns the losses as the loop reports them and the parameters."""
-    import os
-    import traceback
-
     import torch
     import torch.distributed as dist
 
@@ -75,49 +72,39 @@ def _balanced_ranks(rank: int, world: int, port: int, out) -> None:
 
     from helpers.core import MODEL, global_batches
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict = {}
-    try:
-        batches = global_batches(3, rows=8)
-        for strategy, precision in (("ddp", "fp32"), ("zero1", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"),
-                                    ("ddp", "fp16")):
-            for shares in ((4, 4), (6, 2)):
-                cfg = load_config(None, MODEL + ["cluster.workers=2", f"parallel.strategy={strategy}",
-                                                 f"precision={precision}", "train.batch_size=4"])
-                core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0", "n0")))
-                core.sample_weight = world * shares[rank] / sum(shares)
-                losses, grads = [], []
-                step_params = core.optimizer.step
+    batches = global_batches(3, rows=8)
+    for strategy, precision in (("ddp", "fp32"), ("zero1", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"),
+                                ("ddp", "fp16")):
+        for shares in ((4, 4), (6, 2)):
+            cfg = load_config(None, MODEL + ["cluster.workers=2", f"parallel.strategy={strategy}",
+                                             f"precision={precision}", "train.batch_size=4"])
+            core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0", "n0")))
+            core.sample_weight = world * shares[rank] / sum(shares)
+            losses, grads = [], []
+            step_params = core.optimizer.step
 
-                def capture(*args, step_params=step_params, grads=grads, core=core, **kwargs):
-                    # The synced gradient each optimizer step applies: what balancing must leave unchanged.
-                    grads.append({n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).numpy().copy()
-                                  for n, q in core.model.named_parameters()})
-                    return step_params(*args, **kwargs)
-                core.optimizer.step = capture
-                for gb in batches:
-                    lo = sum(shares[:rank])
-                    loss, ok = core.step(lambda rows=gb[lo:lo + shares[rank]]: rows, lr=cfg.train.lr)
-                    t = torch.tensor([loss * core.sample_weight], dtype=torch.float64)
-                    dist.all_reduce(t)
-                    losses.append(float(t) / world)
-                state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().numpy().copy()
-                         for k, v in core.model.state_dict().items()}
-                results[(strategy, precision, shares)] = (losses, grads, state, core.busy_s)
-    except Exception:  # noqa: BLE001 - reported to the parent
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, results))
+            def capture(*args, step_params=step_params, grads=grads, core=core, **kwargs):
+                # The synced gradient each optimizer step applies: what balancing must leave unchanged.
+                grads.append({n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).numpy().copy()
+                              for n, q in core.model.named_parameters()})
+                return step_params(*args, **kwargs)
+            core.optimizer.step = capture
+            for gb in batches:
+                lo = sum(shares[:rank])
+                loss, ok = core.step(lambda rows=gb[lo:lo + shares[rank]]: rows, lr=cfg.train.lr)
+                t = torch.tensor([loss * core.sample_weight], dtype=torch.float64)
+                dist.all_reduce(t)
+                losses.append(float(t) / world)
+            state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().numpy().copy()
+                     for k, v in core.model.state_dict().items()}
+            results[(strategy, precision, shares)] = (losses, grads, state, core.busy_s)
 
 
 @pytest.fixture(scope="module")
 def balanced():
-    from helpers.ranks import spawn_ranks
+    from helpers.ranks import gloo_ranks
 
-    results = spawn_ranks(_balanced_ranks, 2, timeout=300)
+    results = gloo_ranks(_balanced_ranks, 2, timeout=300)
     for r in results.values():
         assert "error" not in r, r["error"]
     return results

@@ -3,17 +3,14 @@ identical on every rank, exact byte counts; with error feedback the sparse codec
 converges to the true mean; DDP with each codec trains."""
 
 import io
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cs3ray.core.compress import CompressedAllReduce, CompressionHook, error_bound, make_codec, ring_bytes
 
 from helpers.core import global_batches, run_distributed
-from helpers.ranks import spawn_ranks
+from helpers.ranks import gloo_ranks
 
 WORLD = 2
 N = 5003  # odd: the chunks are padded
@@ -24,39 +21,29 @@ def _inputs(rank: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * torch.logspace(-3, 1, N)
 
 
-def _collective(rank: int, world: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        x = _inputs(rank)
-        for name in ("none", "bf16", "int8", "int4_sparse"):
-            reduce = CompressedAllReduce(make_codec(name), error_feedback=False)
-            results[name] = (reduce("g", x).numpy(), reduce.stats.bytes_sent)
-        # Error feedback on both phases: the average of many syncs of one gradient approaches its mean.
-        reduce = CompressedAllReduce(make_codec("int4_sparse"), error_feedback=True)
-        steps = 40
-        results["ef_mean"] = (sum(reduce.start("g", x).wait() for _ in range(steps)) / steps).numpy()
-        # Residuals through a checkpoint file: a fresh hook loaded from it continues exactly as the original.
-        hook = CompressionHook("int4_sparse")
-        for _ in range(3):
-            hook.reduce("g", x)
-        buf = io.BytesIO()
-        torch.save(hook.state_dict(), buf)
-        resumed = CompressionHook("int4_sparse")
-        resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), steps=3)
-        results["resumed"] = (hook.reduce("g", x).numpy(), resumed.reduce("g", x).numpy(), resumed.steps)
-    except Exception:  # noqa: BLE001 - reported to the parent
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, results))
+def _collective(rank: int, world: int, results: dict) -> None:
+    x = _inputs(rank)
+    for name in ("none", "bf16", "int8", "int4_sparse"):
+        reduce = CompressedAllReduce(make_codec(name), error_feedback=False)
+        results[name] = (reduce("g", x).numpy(), reduce.stats.bytes_sent)
+    # Error feedback on both phases: the average of many syncs of one gradient approaches its mean.
+    reduce = CompressedAllReduce(make_codec("int4_sparse"), error_feedback=True)
+    steps = 40
+    results["ef_mean"] = (sum(reduce.start("g", x).wait() for _ in range(steps)) / steps).numpy()
+    # Residuals through a checkpoint file: a fresh hook loaded from it continues exactly as the original.
+    hook = CompressionHook("int4_sparse")
+    for _ in range(3):
+        hook.reduce("g", x)
+    buf = io.BytesIO()
+    torch.save(hook.state_dict(), buf)
+    resumed = CompressionHook("int4_sparse")
+    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), steps=3)
+    results["resumed"] = (hook.reduce("g", x).numpy(), resumed.reduce("g", x).numpy(), resumed.steps)
 
 
 @pytest.fixture(scope="module")
 def reduced():
-    results = spawn_ranks(_collective, WORLD, timeout=120)
+    results = gloo_ranks(_collective, WORLD, timeout=120)
     for r in results.values():
         assert "error" not in r, r["error"]
     return results

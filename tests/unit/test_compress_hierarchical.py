@@ -5,7 +5,6 @@ and no segment file is left."""
 
 import glob
 import os
-import traceback
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from cs3ray.core.compress.shm import PREFIX, shm_dir
 from cs3ray.core.mesh import Topology
 
 from helpers.core import global_batches, run_core
-from helpers.ranks import spawn_ranks
+from helpers.ranks import gloo_ranks
 
 WORLD, LOCAL = 4, 2
 NODES = ("a", "a", "b", "b")
@@ -38,72 +37,62 @@ def _inputs(rank: int, n: int = N) -> torch.Tensor:
     return torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
 
 
-def _ranks(rank: int, world: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict = {}
-    try:
-        x = _inputs(rank)
-        # One node of 4: shared memory vs gloo, sums over the same ranks.
-        shm = ShmAllReduce()
-        results["shm4"] = shm(x).numpy()
-        results["path_while_open"] = os.path.exists(shm.path)
-        ref = x.clone()
-        dist.all_reduce(ref)
-        results["gloo4"] = ref.numpy()
-        results["grown"] = shm(_inputs(rank, 3 * N)).numpy()  # a larger tensor: a new, larger segment
-        shm.close()
-        # Two nodes of 2 (ranks {0,1} and {2,3}), each with its own segment.
-        pair, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]], backend="gloo")
-        shm2 = ShmAllReduce(pair)
-        results["shm2"] = shm2(x).numpy()
-        ref = x.clone()
-        dist.all_reduce(ref, group=pair)
-        results["gloo2"] = ref.numpy()
-        results["names"] = [shm.name, shm2.name]
-        shm2.close()
-        topo = Topology(rank, world, 1, NODES)
-        for name in CODECS:
-            h = HierarchicalAllReduce(make_codec(name), topo, error_feedback=False)
-            results[name] = (h("g", x).numpy(), h.stats.bytes_sent, h.stats.fp32_ring_bytes)
+def _ranks(rank: int, world: int, results: dict) -> None:
+    x = _inputs(rank)
+    # One node of 4: shared memory vs gloo, sums over the same ranks.
+    shm = ShmAllReduce()
+    results["shm4"] = shm(x).numpy()
+    results["path_while_open"] = os.path.exists(shm.path)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    results["gloo4"] = ref.numpy()
+    results["grown"] = shm(_inputs(rank, 3 * N)).numpy()  # a larger tensor: a new, larger segment
+    shm.close()
+    # Two nodes of 2 (ranks {0,1} and {2,3}), each with its own segment.
+    pair, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]], backend="gloo")
+    shm2 = ShmAllReduce(pair)
+    results["shm2"] = shm2(x).numpy()
+    ref = x.clone()
+    dist.all_reduce(ref, group=pair)
+    results["gloo2"] = ref.numpy()
+    results["names"] = [shm.name, shm2.name]
+    shm2.close()
+    topo = Topology(rank, world, 1, NODES)
+    for name in CODECS:
+        h = HierarchicalAllReduce(make_codec(name), topo, error_feedback=False)
+        results[name] = (h("g", x).numpy(), h.stats.bytes_sent, h.stats.fp32_ring_bytes)
+        results["names"].append(h.local.name)
+        h.close()
+    # The edges: one rank per node (no shared-memory stage), and one node (nothing crosses the network).
+    for label, nodes in (("per-rank-nodes", ("a", "b", "c", "d")), ("one-node", ("a",) * 4)):
+        h = HierarchicalAllReduce(make_codec("int8"), Topology(rank, world, 1, nodes), error_feedback=False)
+        results[label] = (h("g", x).numpy(), h.stats.bytes_sent)
+        if h.local is not None:
             results["names"].append(h.local.name)
-            h.close()
-        # The edges: one rank per node (no shared-memory stage), and one node (nothing crosses the network).
-        for label, nodes in (("per-rank-nodes", ("a", "b", "c", "d")), ("one-node", ("a",) * 4)):
-            h = HierarchicalAllReduce(make_codec("int8"), Topology(rank, world, 1, nodes), error_feedback=False)
-            results[label] = (h("g", x).numpy(), h.stats.bytes_sent)
-            if h.local is not None:
-                results["names"].append(h.local.name)
-            h.close()
-        flat = CompressedAllReduce(make_codec("int8"), error_feedback=False)
-        results["flat-int8"] = flat("g", x).numpy()
-        # FSDP2's reduce-scatter: a padded input of one equal chunk per rank, this rank's chunk back.
-        rs_in = _inputs(rank, RS_N)
-        for name in ("none", "int8"):
-            h = HierarchicalAllReduce(make_codec(name), topo, error_feedback=False)
-            shard = torch.empty(RS_N // world)
-            h.reduce_scatter("g", rs_in, shard)
-            results[f"rs-{name}"] = (shard.numpy(), h.stats.bytes_sent, h.stats.fp32_ring_bytes)
-            results["names"].append(h.local.name)
-            h.close()
-        # DDP with hierarchical int8 (and the uncompressed hierarchical path) on the same fake nodes.
-        batches = global_batches(1, rows=8) * STEPS
-        for name, strategy in (("train-int8", "ddp"), ("fsdp-int8", "fsdp")):
-            results[name] = run_core(["compression.codec=int8", "compression.hierarchical=true",
-                                      f"parallel.strategy={strategy}", "precision=fp32"], rank, world, batches,
-                                     node_ids=list(NODES))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    out.put((rank, results))
+        h.close()
+    flat = CompressedAllReduce(make_codec("int8"), error_feedback=False)
+    results["flat-int8"] = flat("g", x).numpy()
+    # FSDP2's reduce-scatter: a padded input of one equal chunk per rank, this rank's chunk back.
+    rs_in = _inputs(rank, RS_N)
+    for name in ("none", "int8"):
+        h = HierarchicalAllReduce(make_codec(name), topo, error_feedback=False)
+        shard = torch.empty(RS_N // world)
+        h.reduce_scatter("g", rs_in, shard)
+        results[f"rs-{name}"] = (shard.numpy(), h.stats.bytes_sent, h.stats.fp32_ring_bytes)
+        results["names"].append(h.local.name)
+        h.close()
+    # DDP with hierarchical int8 (and the uncompressed hierarchical path) on the same fake nodes.
+    batches = global_batches(1, rows=8) * STEPS
+    for name, strategy in (("train-int8", "ddp"), ("fsdp-int8", "fsdp")):
+        results[name] = run_core(["compression.codec=int8", "compression.hierarchical=true",
+                                  f"parallel.strategy={strategy}", "precision=fp32"], rank, world, batches,
+                                 node_ids=list(NODES))
 
 
 @pytest.fixture(scope="module")
 def ranks():
     before = set(glob.glob(os.path.join(shm_dir(), PREFIX + "*")))
-    results = spawn_ranks(_ranks, WORLD, timeout=240)
+    results = gloo_ranks(_ranks, WORLD, timeout=240)
     for r in results.values():
         assert "error" not in r, r["error"]
     results["leftovers"] = set(glob.glob(os.path.join(shm_dir(), PREFIX + "*"))) - before
