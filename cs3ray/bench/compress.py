@@ -4,7 +4,8 @@ Every codec trains the same model from the same seed on the same batches for the
 2 ranks of the real ComputeCore in plain torch.distributed processes (gloo, no Ray: what is
 compared is the gradient sync, not the cluster). DDP: none (torch's `allreduce_hook`), int8 and
 int4_sparse (cs3ray's `compress_hook`), and torch's `bf16_compress_hook`,
-`quantization_pertensor_hook` and PowerSGD (rank 2). FSDP2: none, int8 and int4_sparse (the
+`quantization_pertensor_hook` (its algorithm with gloo's all-gather results read as gloo nests
+them) and PowerSGD (rank 2). FSDP2: none, int8 and int4_sparse (the
 compressed reduce-scatter), and FSDP2's own `reduce_dtype=bf16` as their peer.
 
 wire_ratio is bytes sent / an fp32 ring all-reduce of the same gradient (FSDP: a ring
@@ -52,11 +53,6 @@ LAST = 10  # final_loss: mean of the last steps' loss (less noise than one step)
 DDP_CODECS = ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_quant_pertensor_hook", "torch_powersgd_r2")
 FSDP_CODECS = ("none", "int8", "int4_sparse", "torch_fsdp_reduce_bf16")
 OURS = ("int8", "int4_sparse")
-# torch peers known not to run here, and the error that shows it: quantization_pertensor_hook
-# indexes the all-gathered (scale, zero point) pairs as one more level of nesting than gloo's
-# future returns.
-UNSUPPORTED_PEERS = {"torch_quant_pertensor_hook": "IndexError: invalid index of a 0-dim tensor"}
-KEYS = ("final_loss", "loss_delta_pct", "wire_ratio", "overlap_fraction", "state_bytes_per_worker")
 COLUMNS = ["strategy", "codec", "final loss", "loss delta %", "wire ratio", "overlap", "state MB/worker"]
 
 
@@ -77,6 +73,41 @@ def _recording_hook(rec: _Recorder, bucket: dist.GradBucket) -> torch.futures.Fu
         rec.buckets.append(bucket)
     rec.calls += 1
     return rec.hook(rec.state, bucket)
+
+
+def _gathered(fut: torch.futures.Future) -> list[torch.Tensor]:
+    """An all_gather future's tensors: NCCL nests them in one more list than gloo does."""
+    value = fut.value()
+    return value[0] if isinstance(value[0], list) else value
+
+
+def _pertensor_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `quantization_pertensor_hook` as torch writes it (observer, quantize and dequantize
+    functions, two all-gathers chained by callbacks), reading the gathered values as gloo returns them:
+    torch's own indexes them as NCCL nests them and fails on gloo with an IndexError."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    tensor = bucket.buffer()
+    observer = torch.ao.quantization.MinMaxObserver()
+    observer(tensor)
+    scale, zero = observer.calculate_qparams()
+    s_and_z = torch.tensor([float(scale), float(zero)])
+    fut = dist.all_gather([torch.zeros_like(s_and_z) for _ in range(world)], s_and_z, group=group,
+                          async_op=True).get_future()
+    params: list[list[torch.Tensor]] = []
+
+    def quantize_and_gather(fut: torch.futures.Future) -> list[torch.Tensor]:
+        params.append(_gathered(fut))
+        q = quantization_hooks._quantize_per_tensor_backend(tensor, params[0][rank][0], params[0][rank][1])
+        return dist.all_gather([torch.zeros_like(q) for _ in range(world)], q, group=group,
+                               async_op=True).get_future().wait()
+
+    def dequantize_and_mean(fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros_like(tensor, dtype=torch.float32)
+        for r, q in enumerate(_gathered(fut)):
+            total += quantization_hooks._dequantize_per_tensor_backend(q, params[0][r][0], params[0][r][1])
+        return total / world
+    return fut.then(quantize_and_gather).then(dequantize_and_mean)
 
 
 def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorder, Callable[[int], float | None]]:
@@ -102,7 +133,7 @@ def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorde
         model.register_comm_hook(rec, _recording_hook)
         return rec, lambda _steps: 0.5  # a ring all-reduce of 2-byte values
     if codec == "torch_quant_pertensor_hook":
-        rec = _Recorder(None, quantization_hooks.quantization_pertensor_hook)
+        rec = _Recorder(None, _pertensor_hook)
         model.register_comm_hook(rec, _recording_hook)
         # Per bucket: all_gather of its (scale, zero point) pair (8 bytes), then of one uint8 per value.
         return rec, lambda steps: (WORLD - 1) * (n * steps + 8 * rec.calls) / (ring * steps)
@@ -309,12 +340,6 @@ def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], batches: np.nd
             except Exception as exc:  # noqa: BLE001 - recorded as this codec's first_error
                 lines = [ln for ln in str(exc).splitlines() if ln.strip()]
                 error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-                if codec in UNSUPPORTED_PEERS and UNSUPPORTED_PEERS[codec] in error:
-                    # A known fault of torch's own hook on gloo/CPU, hit by both ranks in the same
-                    # callback before its second collective: reported as unavailable, not measured.
-                    results[f"{strategy}/{codec}"] = {"unavailable": f"torch {torch.__version__}'s hook fails on "
-                                                                     f"gloo/CPU: {error}"}
-                    continue
                 results[f"{strategy}/{codec}"] = {"first_error": error, "traceback": traceback.format_exc()}
                 break  # the ranks' collectives are out of step after a failure
     finally:
@@ -358,9 +383,6 @@ def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...
             if r is None:
                 res[c] = {"first_error": "not run: an earlier run failed"}
                 continue
-            if "unavailable" in r:
-                res[c] = dict.fromkeys(KEYS, None) | r
-                continue
             res[c] = {k: v for k, v in r.items() if k not in ("losses", "traceback")}
         base = res.get("none", {}).get("final_loss")
         for r in res.values():
@@ -386,9 +408,6 @@ def rows(r: dict[str, Any]) -> list[tuple]:
     out = []
     for strategy, codecs in (("ddp", r["codecs"]), ("fsdp", r["fsdp"]["codecs"])):
         for name, c in codecs.items():
-            if c.get("unavailable"):
-                out.append((strategy, name, "unavailable", "-", "-", "-", "-"))
-                continue
             out.append((strategy, name, fmt(c.get("final_loss"), ".4f"), fmt(c.get("loss_delta_pct"), "+.2f"),
                         fmt(c.get("wire_ratio"), ".4f"), fmt(c.get("overlap_fraction"), ".2f"),
                         fmt((c.get("state_bytes_per_worker") or 0) / 1e6, ".2f")))
