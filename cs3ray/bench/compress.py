@@ -116,7 +116,7 @@ def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorde
     if codec in OURS:
         c = cfg.compression
         # What parallel.apply_compression registers, but wrapped by the recorder.
-        state = CompressionHook(codec, c.density, c.error_feedback, c.warmup_steps)
+        state = CompressionHook(codec, c.density, c.error_feedback, c.warmup_steps, ddp_buckets=True)
         state.names = {id(p): name for name, p in model.named_parameters()}
         core.compression = state  # so memory() counts its residuals and comm_stats() its bytes
         rec = _Recorder(state, compress_hook)

@@ -154,7 +154,9 @@ class CompressionConfig(Section):
                           "fp32 residuals per rank, counted in state_bytes: about 1+1/N gradient copies under ddp, "
                           "one whole unsharded gradient under fsdp (N times its gradient shard).")
     warmup_steps: int = Field(
-        0, ge=0, description="Optimizer steps synced uncompressed (fp32) before compression starts.")
+        0, ge=0, description="Optimizer steps synced uncompressed (fp32) before compression starts. Under ddp and "
+                             "zero1 the first step of every worker process is synced in fp32 as well (DDP rebuilds "
+                             "its gradient buckets after it).")
     hierarchical: bool = Field(
         False, description="Reduce inside each node first over shared memory (fp32), and send only the cross-node "
                            "stage over the network, compressed by `codec` (each local rank sends 1/L of the gradient). "

@@ -22,8 +22,12 @@ def test_quick_run_measures_every_codec_and_its_peers(precision):
         assert math.isfinite(c["final_loss"]) and math.isfinite(c["loss_delta_pct"]), name
         assert c["state_bytes_per_worker"] > 0, name
     for table in (ddp, fsdp):
-        # Compressed on the wire every step: no silent fallback to an fp32 sync.
-        assert table["int8"]["wire_ratio"] < 0.3 and table["int4_sparse"]["wire_ratio"] < 0.07
+        # Compressed on the wire every step (DDP: after the process's first sync, in fp32 over DDP's initial
+        # buckets): no silent fallback to an fp32 sync.
+        first = 1 if table is ddp else 0
+        steps = r["steps"]
+        for name, limit in (("int8", 0.3), ("int4_sparse", 0.07)):
+            assert (steps * table[name]["wire_ratio"] - first) / (steps - first) < limit, name
         assert table["none"]["wire_ratio"] == 1.0 and table["none"]["loss_delta_pct"] == 0.0
         # Error feedback keeps an fp32 residual per rank: counted in the state.
         assert table["int8"]["residual_bytes"] > 0

@@ -95,7 +95,8 @@ def test_metrics_endpoint_and_loggers_hold_the_runs_figures(ray_head, tmp_path, 
     assert names <= second.keys(), sorted(names - second.keys())
     assert second["ray_cs3_train_step"] == 6 and second["ray_cs3_train_workers"] == 2
     assert second["ray_cs3_train_checkpoint_restore_s"] > 0
-    assert 0 < second["ray_cs3_train_wire_ratio"] < 0.5 and second["ray_cs3_train_comm_bytes_per_step"] > 0
+    # Three syncs since the resume: the process's first in fp32 (DDP's initial buckets), two in int8.
+    assert 0.45 < second["ray_cs3_train_wire_ratio"] < 0.55 and second["ray_cs3_train_comm_bytes_per_step"] > 0
     assert second["ray_cs3_train_loss_scale"] > 1 and first["ray_cs3_train_loss_scale"] == 1
 
     # The same figures in TensorBoard and MLflow, the resumed run continuing the first's.

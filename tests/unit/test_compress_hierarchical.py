@@ -191,8 +191,10 @@ def test_ddp_trains_with_hierarchical_sync(ranks):
     r = ranks[0]["train-int8"]
     assert all(r["applied"]) and r["losses"][-1] < r["losses"][0] - 0.5, r["losses"]
     assert r["comm"]["syncs"] == STEPS
-    # int8 on half the gradient per rank across the one other node: far below an fp32 ring over 4 ranks.
-    assert 0.05 < r["comm"]["wire_ratio"] < 0.1, r["comm"]
+    # int8 on half the gradient per rank across the one other node: far below an fp32 ring over 4 ranks
+    # (after the process's first sync, in fp32 over DDP's initial buckets).
+    compressed = (STEPS * r["comm"]["wire_ratio"] - 1) / (STEPS - 1)
+    assert 0.05 < compressed < 0.1, r["comm"]
 
 
 def test_no_segment_is_left_behind(ranks):

@@ -2,7 +2,11 @@
 
 DDP calls it for a bucket as soon as that bucket's gradients are ready, so a bucket's
 exchange runs while backward still computes later buckets. The first `warmup_steps` syncs
-use torch's fp32 all-reduce.
+use torch's fp32 all-reduce, and so does the first sync of every process: DDP runs it in its
+initial buckets and then rebuilds them in the order gradients became ready. Residuals are kept
+by the rebuilt buckets, so nothing is compressed into buckets that are never seen again, and a
+resumed process finds its saved residuals at its second sync (torch's PowerSGD hook, for the same
+reason, compresses from the second iteration on).
 """
 
 from typing import Any
@@ -21,7 +25,7 @@ class CompressionHook:
     """State of the hook: the transport (residuals, byte counts) and the sync-step counter."""
 
     def __init__(self, codec: str, density: float = 0.1, error_feedback: bool = True, warmup_steps: int = 0,
-                 group: Any = None, hierarchical: Topology | None = None) -> None:
+                 group: Any = None, hierarchical: Topology | None = None, ddp_buckets: bool = False) -> None:
         # hierarchical: the topology whose nodes reduce over shared memory first (the whole world's group).
         self.reduce = (HierarchicalAllReduce(make_codec(codec, density), hierarchical, error_feedback)
                        if hierarchical is not None else CompressedAllReduce(make_codec(codec, density), group,
@@ -29,12 +33,13 @@ class CompressionHook:
         self.group = group
         self.warmup_steps = warmup_steps
         self.steps = 0  # completed gradient syncs (one per optimizer step; no_sync micro-batches skip the hook)
+        self.initial_buckets = ddp_buckets  # DDP's first sync in this process: its buckets are rebuilt after it
         self.names: dict[int, str] = {}  # id(parameter) -> name, to key residuals by what a bucket holds
 
     @property
     def compressing(self) -> bool:
-        """Whether the current sync is compressed (warm-up over)."""
-        return self.steps >= self.warmup_steps
+        """Whether the current sync is compressed (warm-up over, and DDP's buckets rebuilt)."""
+        return self.steps >= self.warmup_steps and not self.initial_buckets
 
     def residual_bytes(self) -> int:
         """Bytes of error-feedback residuals this rank keeps."""
@@ -80,6 +85,7 @@ def compress_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futu
         if state.compressing:
             state.reduce.end_step()
         state.steps += 1
+        state.initial_buckets = False
     return fut
 
 
@@ -91,7 +97,7 @@ def register_compression(model: torch.nn.Module, codec: str, density: float = 0.
     With `hierarchical` (the ranks' topology) each node reduces over shared memory first and
     only the cross-node stage is compressed.
     """
-    state = CompressionHook(codec, density, error_feedback, warmup_steps, group, hierarchical)
+    state = CompressionHook(codec, density, error_feedback, warmup_steps, group, hierarchical, ddp_buckets=True)
     state.names = {id(p): name for name, p in model.named_parameters()}
     model.register_comm_hook(state, compress_hook)
     return state
