@@ -3,9 +3,10 @@ feedback loses nothing: transmitted + residual == input, exactly in fp32."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -20,6 +21,8 @@ _grads = st.integers(1, 1500).flatmap(lambda n: arrays("float32", n, elements=_v
 @pytest.mark.parametrize("name", CODECS)
 @settings(max_examples=40, deadline=None)
 @given(x=_grads)
+# A block whose absmax / 127 is subnormal (no finite reciprocal).
+@example(x=np.array([5e-38, 1.2e-38, 0.0], dtype=np.float32))
 def test_roundtrip_within_bound_and_payload_size_exact(name, x):
     codec = make_codec(name)
     t = torch.from_numpy(x)
@@ -34,6 +37,8 @@ def test_roundtrip_within_bound_and_payload_size_exact(name, x):
 @pytest.mark.parametrize("name", CODECS)
 @settings(max_examples=25, deadline=None)
 @given(steps=st.lists(_grads.filter(lambda a: len(a) >= 1), min_size=1, max_size=3), n=st.integers(1, 700))
+# A block whose absmax / 127 is subnormal: its zeros must still be sent (and kept back) as zeros.
+@example(steps=[np.array([1.1754944e-38, 0.0], dtype=np.float32)], n=2)
 def test_error_feedback_transmitted_plus_residual_is_the_input_exactly(name, steps, n):
     codec, ef = make_codec(name), ErrorFeedback()
     for x in steps:

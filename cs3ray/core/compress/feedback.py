@@ -23,22 +23,30 @@ class ErrorFeedback:
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.used: set[Hashable] = set()  # keys encoded since the last prune
 
-    def encode(self, key: Hashable, codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, transmitted values) of x plus the residual kept under `key`; updates the residual."""
+    def encode(self, key: Hashable, codec: Codec, x: torch.Tensor, out: torch.Tensor | None = None,
+               offset: int = 0, length: int | None = None,
+               sent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, transmitted values) of x plus the residual kept under `key`; updates the residual.
+
+        The payload is written into `out` and the transmitted values (what decoding the payload gives,
+        bit for bit) into `sent` if given, else into a buffer the thread's next encode reuses. x may be
+        the piece from `offset` of a tensor of `length` values (one residual covers the whole; a
+        transport encodes the pieces one by one).
+        """
         x = x.detach().reshape(-1)
         if not self.enabled or codec.name == "none":  # an exact codec leaves nothing behind
-            payload = codec.encode(x)
-            return payload, codec.decode(payload, x.numel())
+            return codec.encode_sent(x, out, sent)
         self.used.add(key)
+        length = x.numel() if length is None else length
         res = self.residuals.get(key)
         # A bucket whose size changed (DDP rebuilds buckets after the first step) starts afresh.
-        if res is None or res.numel() != x.numel():
-            res = self.residuals[key] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        if res is None or res.numel() != length:
+            res = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=x.device)
+        res = res[offset:offset + x.numel()]
         # In place: the residual's buffer holds the compensated input, then what was not sent
         # (large fresh allocations cost more than the arithmetic on a CPU).
         res.add_(x)
-        payload = codec.encode(res)
-        sent = codec.decode(payload, res.numel())
+        payload, sent = codec.encode_sent(res, out, sent)
         res.sub_(sent)
         # An overflowed (skipped) step must not poison the following ones.
         if not bool(torch.isfinite(res.sum())):
