@@ -151,8 +151,8 @@ class CompressionConfig(Section):
         0.1, gt=0, le=1, description="int4_sparse: share of each gradient chunk's values sent (the largest by magnitude).")
     error_feedback: bool = Field(
         True, description="Carry what compression dropped into the next step's gradient (keeps convergence). Costs "
-                          "fp32 residuals per rank, counted in state_bytes: about 1+1/N gradient copies under ddp, "
-                          "one whole unsharded gradient under fsdp (N times its gradient shard).")
+                          "fp32 residuals per rank, counted in state_bytes: about one gradient copy under ddp, "
+                          "(N-1)/N of the unsharded gradient under fsdp (N-1 times its gradient shard).")
     warmup_steps: int = Field(
         0, ge=0, description="Optimizer steps synced uncompressed (fp32) before compression starts. Under ddp and "
                              "zero1 the first step of every worker process is synced in fp32 as well (DDP rebuilds "

@@ -136,9 +136,9 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
                           int(optim * STATE_BYTES["optimizer"]))
     residual = 0
     if p.codec != "none" and p.error_feedback and dp > 1:
-        # Error feedback keeps fp32 residuals: the gradient and one reduced chunk under ddp/zero1,
-        # a whole unsharded gradient under fsdp (see compression.error_feedback).
-        residual = int(4 * shard * (1 if p.strategy == "fsdp" else 1 + 1 / dp))
+        # Error feedback keeps fp32 residuals: for the chunks sent to the other ranks and the reduced
+        # chunk under ddp/zero1, for the other ranks' chunks under fsdp (see compression.error_feedback).
+        residual = int(4 * shard * ((dp - 1) / dp if p.strategy == "fsdp" else 1))
     # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
     gather = 0
     if p.strategy == "fsdp" and dp > 1:

@@ -1,14 +1,16 @@
 """A two-phase compressed all-reduce whose traffic per rank does not grow with the number of ranks.
 
-Phase 1: each rank splits its tensor into one chunk per rank, encodes every chunk and exchanges
-them all-to-all (ZeRO++ qgZ's choice: a reduce-scatter would have to reduce in the wire's
-dtype); each rank decodes the chunks it owns and sums them in fp32. Phase 2: the owner
+Phase 1: each rank splits its tensor into one chunk per rank, encodes the chunks of the other
+ranks and exchanges them all-to-all (ZeRO++ qgZ's choice: a reduce-scatter would have to reduce
+in the wire's dtype); each rank sums the chunk it owns in fp32: its own exact, the others decoded. Phase 2: the owner
 re-encodes the reduced chunk and an all-gather gives every rank every reduced chunk, decoded
 from the same bytes on every rank (the owner too), so replicas stay bit-identical. Each rank
 sends 2 (n-1) encoded chunks: 2 (n-1)/n x the encoded tensor, like a ring all-reduce of it.
-Both phases carry error feedback: the sender's residual per chunk and the owner's for its
-reduced chunk (1-bit Adam's worker and server compensation). Both exchanges are point-to-point
-(`exchange`), every receive posted before any send.
+Both phases carry error feedback: the sender's residual per chunk it sends and the owner's for
+its reduced chunk (1-bit Adam's worker and server compensation), one gradient's worth in all. Both exchanges are point-to-point
+(`exchange`), every receive posted before any send. Quantization overlaps the wire: a peer's chunk
+is sent piece by piece as it is encoded (codecs whose pieces encode separately), and each piece
+received is decoded and added as soon as it arrives.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .codec import Codec
+from .codec import BLOCK, Codec
 from .feedback import ErrorFeedback
 
 
@@ -33,15 +35,34 @@ def exchange(send: list[torch.Tensor], recv: list[torch.Tensor], group: Any = No
     gloo's all_to_all and a send posted before its peer's receive move one direction at a time
     (see docs/benchmarks.md, `bench comm`). Traffic is what all_to_all / all_gather send.
     """
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    peers = [r for r in range(world) if r != me]
-    ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
-    reqs = [dist.irecv(recv[r], src=ranks[r], group=group, tag=tag) for r in peers]
-    reqs += [dist.isend(send[r], dst=ranks[r], group=group, tag=tag) for r in peers]
+    me = dist.get_rank(group)
+    recvs = post_receives(recv, group, tag)
+    sends = [post_send(send[r], r, group, tag) for r in recvs]
     if recv[me].data_ptr() != send[me].data_ptr():  # a caller that reads its own slot in place skips the copy
         recv[me].copy_(send[me])
-    for req in reqs:
+    for req in [*recvs.values(), *sends]:
         req.wait()
+
+
+def post_receives(recv: list[torch.Tensor], group: Any = None, tag: int = 0) -> dict[int, Any]:
+    """Post the receive of recv[r] from every other group rank r; {r: its request}. Post them before any
+    send of the same exchange (see `exchange`)."""
+    me = dist.get_rank(group)
+    return {r: dist.irecv(buf, src=_global(group, r), group=group, tag=tag) for r, buf in enumerate(recv) if r != me}
+
+
+def post_send(payload: torch.Tensor, rank: int, group: Any = None, tag: int = 0) -> Any:
+    """Start sending `payload` to group rank `rank`; the request to wait on before reusing the buffer."""
+    return dist.isend(payload, dst=_global(group, rank), group=group, tag=tag)
+
+
+def _global(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+# Values per separately encoded piece of a chunk (codecs that allow it): a multiple of 4 x BLOCK, large
+# enough that the calls cost little next to the arithmetic.
+PIECE = 4096 * BLOCK
 
 
 def ring_bytes(numel: int, world: int) -> float:
@@ -102,22 +123,39 @@ class CompressedAllReduce:
             chunks[n:].zero_()
             chunks = chunks.view(world, c)
         size = self.codec.wire_bytes(c)
+        me = dist.get_rank(self.group)
+        parts = list(self._buffer("recv", (world, size), torch.uint8))
+        total = self._buffer("total", (c,), torch.float32)
         if self.codec.name == "none":  # the exact codec's payload is the chunk itself: no copy
             send = chunks.view(torch.uint8)
+            parts[me] = send[me]  # this rank's own chunk is read where it is
+            exchange(list(send), parts, self.group, tag=1)
+            if world == 1:
+                total.copy_(self.codec.decode(parts[0], c))
+            else:  # in rank order, the first two in one pass
+                torch.add(self.codec.decode(parts[0], c), self.codec.decode(parts[1], c), out=total)
+            for part in parts[2:]:
+                total += self.codec.decode(part, c)
         else:
-            send = torch.stack([self.feedback.encode((key, "send", r), self.codec, chunks[r])[0]
-                                for r in range(world)])
-        parts = list(self._buffer("recv", (world, size), torch.uint8))
-        me = dist.get_rank(self.group)
-        parts[me] = send[me]  # this rank's own chunk is read where it is
-        exchange(list(send), parts, self.group, tag=1)
-        total = self._buffer("total", (c,), torch.float32)
-        if world == 1:
-            total.copy_(self.codec.decode(parts[0], c))
-        else:  # in rank order, the first two in one pass
-            torch.add(self.codec.decode(parts[0], c), self.codec.decode(parts[1], c), out=total)
-        for part in parts[2:]:
-            total += self.codec.decode(part, c)
+            # Each piece of a peer's chunk is sent as soon as it is encoded, and this rank's own chunk is
+            # encoded while they travel (gloo moves the bytes on its own threads).
+            send = self._buffer("send", (world, size), torch.uint8)
+            pieces = self._pieces(c)
+            recvs = self._post_piece_receives(parts, pieces, tag=1)
+            sends = []
+            for r in [*range(me + 1, world), *range(me)]:
+                for i, (vals, span) in enumerate(pieces):
+                    self.feedback.encode((key, "send", r), self.codec, chunks[r, vals], out=send[r, span],
+                                         offset=vals.start, length=c)
+                    sends.append(post_send(send[r, span], r, self.group, tag=1 + 2 * i))
+            # This rank's own chunk never leaves it: it enters the sum exact, with nothing to encode and
+            # no residual to keep, while the peers' chunks are on the wire.
+            total.copy_(chunks[me])
+            for r, (vals, span), req in recvs:  # each piece is added as soon as it has arrived
+                req.wait()
+                self.codec.decode(parts[r][span], vals.stop - vals.start, out=total[vals], add=True)
+            for req in sends:
+                req.wait()
         if average:
             total /= world
         return total, size
@@ -142,13 +180,42 @@ class CompressedAllReduce:
                         else self._buffer("gathered", (world, size), torch.uint8))
             exchange([total.view(torch.uint8)] * world, list(gathered), self.group, tag=2)
             return gathered.view(torch.float32).reshape(-1)[:n], sent
-        payload, _ = self.feedback.encode((key, "owner"), self.codec, total)
         gathered = self._buffer("gathered", (world, size), torch.uint8)
-        exchange([payload] * world, list(gathered), self.group, tag=2)
+        me = dist.get_rank(self.group)
+        pieces = self._pieces(c)
+        recvs = self._post_piece_receives(list(gathered), pieces, tag=2)
+        sends = []
         target = out.view(world, c) if direct and out is not None else self._buffer("result", (world, c), torch.float32)
-        for r, p in enumerate(gathered):
-            target[r].copy_(self.codec.decode(p, c))
+        for i, (vals, span) in enumerate(pieces):
+            # The owner's copy is what the others decode from these bytes, bit for bit, without a decode.
+            self.feedback.encode((key, "owner"), self.codec, total[vals], out=gathered[me, span],
+                                 offset=vals.start, length=c, sent=target[me, vals])
+            sends += [post_send(gathered[me, span], r, self.group, tag=2 + 2 * i) for r in range(world) if r != me]
+        for r, (vals, span), req in recvs:
+            req.wait()
+            self.codec.decode(gathered[r, span], vals.stop - vals.start, out=target[r, vals])
+        for req in sends:
+            req.wait()
         return target.reshape(-1)[:n], sent
+
+    def _pieces(self, c: int) -> list[tuple[slice, slice]]:
+        """(values, payload bytes) of each separately encoded piece of a c-value chunk: encoding piece i + 1
+        overlaps sending piece i. The payload bytes add up to wire_bytes(c) exactly."""
+        if not self.codec.separable or c <= PIECE:
+            return [(slice(0, c), slice(0, self.codec.wire_bytes(c)))]
+        pieces, at = [], 0
+        for lo in range(0, c, PIECE):
+            size = self.codec.wire_bytes(min(c, lo + PIECE) - lo)
+            pieces.append((slice(lo, min(c, lo + PIECE)), slice(at, at + size)))
+            at += size
+        return pieces
+
+    def _post_piece_receives(self, bufs: list[torch.Tensor], pieces: list[tuple[slice, slice]],
+                             tag: int) -> list[tuple[int, tuple[slice, slice], Any]]:
+        """Post the receive of every piece from every peer, piece i under tag + 2 i (the two phases' tags
+        stay apart); [(peer, piece, request)] in the order they arrive."""
+        posted = [post_receives([b[span] for b in bufs], self.group, tag + 2 * i) for i, (_, span) in enumerate(pieces)]
+        return [(r, piece, req) for piece, reqs in zip(pieces, posted, strict=True) for r, req in reqs.items()]
 
     def __call__(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The compressed mean of `flat` (its residuals kept under `key`), blocking; written into `out` if given."""

@@ -2,9 +2,9 @@
 
 Installed per FSDP module with `set_custom_reduce_scatter`. FSDP2 calls it once per module in
 backward with the module's padded flat gradient (one chunk per rank) and the op it chose (AVG,
-or SUM when it divides itself). With error feedback each rank keeps a residual as large as the
-unsharded gradients it reduces, which undoes part of what sharding saves; it is counted in
-`state_bytes`.
+or SUM when it divides itself). With error feedback each rank keeps a residual for the other
+ranks' chunks of the unsharded gradients it reduces, (N-1)/N of them, which undoes part of what
+sharding saves; it is counted in `state_bytes`.
 """
 
 from collections.abc import Sequence

@@ -84,7 +84,8 @@ class HierarchicalAllReduce(CompressedAllReduce):
         `flat` holds one equal chunk per rank, in rank order. Local rank j sums, over shared memory,
         the chunks of rank j of every node, then reduce-scatters those N chunks, compressed, with
         local rank j of the other nodes: node k's share is rank k x L + j's chunk. No third stage:
-        each rank ends with its own chunk, and its residual covers 1/L of the unsharded gradient.
+        each rank ends with its own chunk, and its residual covers the chunks it sends to the other
+        nodes, (N-1)/N of its 1/L of the unsharded gradient.
         """
         n, world = flat.numel(), self.world
         if n % world:
