@@ -6,6 +6,7 @@ from zero with a warning, and training goes on."""
 import logging
 
 import numpy as np
+import pytest
 import torch
 
 from cs3ray.ckpt.manager import CheckpointManager
@@ -19,8 +20,11 @@ from helpers.ranks import gloo_ranks
 WORLD = 2
 
 
-def _core(rank: int, world: int, codec: str) -> ComputeCore:
-    cfg = load_config(None, MODEL + [f"cluster.workers={world}", f"compression.codec={codec}", "precision=fp32",
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _core(rank: int, world: int, codec: str, precision: str) -> ComputeCore:
+    cfg = load_config(None, MODEL + [f"cluster.workers={world}", f"compression.codec={codec}", f"precision={precision}",
                                      "compression.warmup_steps=0"])
     return ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0",) * world))
 
@@ -30,13 +34,20 @@ def _step(core: ComputeCore, batch: np.ndarray, rank: int) -> float:
     return core.step(lambda rows=batch[rank * per:(rank + 1) * per]: rows, lr=1e-2)[0]
 
 
-def _resume(rank: int, world: int, results: dict, root: str) -> None:
+def _resume_all(rank: int, world: int, results: dict, root: str) -> None:
+    """Each precision in turn, in one process group."""
+    for precision in PRECISIONS:
+        results[precision] = {}
+        _resume(rank, world, results[precision], f"{root}/{precision}", precision)
+
+
+def _resume(rank: int, world: int, results: dict, root: str, precision: str) -> None:
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("cs3ray.core.engine").addHandler(handler)
     batches = global_batches(4, rows=8)
-    core = _core(rank, world, "int8")
+    core = _core(rank, world, "int8", precision)
     for batch in batches[:2]:
         _step(core, batch, rank)
     mgr = CheckpointManager(root, keep=1)
@@ -47,7 +58,7 @@ def _resume(rank: int, world: int, results: dict, root: str) -> None:
     results["continued"] = [_step(core, batch, rank) for batch in batches[2:]]
     for name, codec, drop_file in (("resumed", "int8", False), ("resized", "int8", True),
                                    ("recoded", "int4_sparse", False)):
-        fresh = _core(rank, world, codec)
+        fresh = _core(rank, world, codec, precision)
         state = fresh.state()
         step, _meta, rank_state = mgr.load(state)
         fresh.after_load(state)
@@ -62,12 +73,21 @@ def _resume(rank: int, world: int, results: dict, root: str) -> None:
         got["after_second"] = {str(k): v.numpy().copy() for k, v in residuals.items()}
         got["wire_ratio"] = fresh.comm_stats()["wire_ratio"]
     mgr.close()
+    logging.getLogger("cs3ray.core.engine").removeHandler(handler)
 
 
-def test_residuals_survive_a_checkpoint_and_restart_from_zero_after_a_resize(tmp_path):
-    results = gloo_ranks(_resume, WORLD, str(tmp_path / "run"), timeout=180)
-    for rank, r in results.items():
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    results = gloo_ranks(_resume_all, WORLD, str(tmp_path_factory.mktemp("run")), timeout=300)
+    for r in results.values():
         assert "error" not in r, r.get("error")
+    return results
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_residuals_survive_a_checkpoint_and_restart_from_zero_after_a_resize(runs, precision):
+    for rank, by_precision in runs.items():
+        r = by_precision[precision]
         saved, resumed = r["saved"], r["resumed"]
         assert saved and resumed["residual_bytes"] > 0 and resumed["syncs"] == 2 and not resumed["warnings"]
         # The first sync of the process, in DDP's initial buckets, is fp32 and leaves the residuals as saved ...
