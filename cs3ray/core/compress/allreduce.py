@@ -2,14 +2,15 @@
 
 Phase 1: each rank splits its tensor into one chunk per rank, encodes the chunks of the other
 ranks and exchanges them all-to-all (ZeRO++ qgZ's choice: a reduce-scatter would have to reduce
-in the wire's dtype); each rank sums the chunk it owns in fp32: its own exact, the others decoded. Phase 2: the owner
-re-encodes the reduced chunk and an all-gather gives every rank every reduced chunk, decoded
-from the same bytes on every rank (the owner too), so replicas stay bit-identical. Each rank
-sends 2 (n-1) encoded chunks: 2 (n-1)/n x the encoded tensor, like a ring all-reduce of it.
-Both phases carry error feedback: the sender's residual per chunk it sends and the owner's for
-its reduced chunk (1-bit Adam's worker and server compensation), one gradient's worth in all. Both exchanges are point-to-point
-(`exchange`), every receive posted before any send. Quantization overlaps the wire: a peer's chunk
-is sent piece by piece as it is encoded (codecs whose pieces encode separately), and each piece
+in the wire's dtype); each rank sums the chunk it owns in fp32, its own part exact and the
+others decoded. Phase 2: the owner re-encodes the reduced chunk and an all-gather gives every
+rank every reduced chunk, decoded from the same bytes on every rank (the owner too), so
+replicas stay bit-identical. Each rank sends 2 (n-1) encoded chunks: 2 (n-1)/n x the encoded
+tensor, like a ring all-reduce of it. Both phases carry error feedback: the sender's residual
+per chunk it sends and the owner's for its reduced chunk (1-bit Adam's worker and server
+compensation), one gradient's worth in all. Both exchanges are point-to-point (`exchange`),
+every receive posted before any send. Quantization overlaps the wire: a peer's chunk is sent
+piece by piece as it is encoded (codecs whose pieces encode separately), and each piece
 received is decoded and added as soon as it arrives.
 """
 
@@ -213,7 +214,7 @@ class CompressedAllReduce:
     def _post_piece_receives(self, bufs: list[torch.Tensor], pieces: list[tuple[slice, slice]],
                              tag: int) -> list[tuple[int, tuple[slice, slice], Any]]:
         """Post the receive of every piece from every peer, piece i under tag + 2 i (the two phases' tags
-        stay apart); [(peer, piece, request)] in the order they arrive."""
+        stay apart); [(peer, piece, request)] piece by piece, the order to wait on them in."""
         posted = [post_receives([b[span] for b in bufs], self.group, tag + 2 * i) for i, (_, span) in enumerate(pieces)]
         return [(r, piece, req) for piece, reqs in zip(pieces, posted, strict=True) for r, req in reqs.items()]
 
