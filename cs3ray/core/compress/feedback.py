@@ -39,7 +39,7 @@ class ErrorFeedback:
         self.used.add(key)
         length = x.numel() if length is None else length
         res = self.residuals.get(key)
-        # A bucket whose size changed (DDP rebuilds buckets after the first step) starts afresh.
+        # A residual of another length under this key (a checkpoint's from another layout) starts afresh.
         if res is None or res.numel() != length:
             res = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=x.device)
         res = res[offset:offset + x.numel()]
@@ -58,9 +58,8 @@ class ErrorFeedback:
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
 
     def prune(self) -> None:
-        """Drop residuals no encode used since the last prune: after DDP rebuilds its buckets, the
-        first step's keys are never seen again, and their residuals would only cost memory and
-        checkpoint bytes."""
+        """Drop residuals no encode used since the last prune: those of keys this run no longer syncs
+        (a checkpoint's from another bucket layout) would only cost memory and checkpoint bytes."""
         for key in [k for k in self.residuals if k not in self.used]:
             del self.residuals[key]
         self.used.clear()

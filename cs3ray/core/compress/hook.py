@@ -76,8 +76,8 @@ def compress_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futu
         state.reduce.stats.add(round(fp32 * buffer.element_size() / 4), fp32)
         fut = allreduce_hook(state.group, bucket)
     else:
-        # Keyed by the bucket's first and last parameter, not its index alone: DDP rebuilds its
-        # buckets after the first step of every process, and a resumed process starts from new ones.
+        # Keyed by the bucket's first and last parameter and its size, not its index: the same
+        # buckets get the same keys in every process that reaches DDP's rebuilt layout.
         params = bucket.parameters()
         key = (state.names.get(id(params[0]), ""), state.names.get(id(params[-1]), ""), buffer.numel())
         fut = state.reduce.start(key, buffer, out=buffer)
