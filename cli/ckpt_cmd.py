@@ -13,7 +13,16 @@ from rich.table import Table
 from cs3ray.ckpt import CheckpointError, list_checkpoints, resolve_target, verify_checkpoints
 from cs3ray.config import runtime_storage_options
 
-from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
+from .common import (
+    JsonOpt,
+    ReplicaOpt,
+    StorageOptionsOpt,
+    StorageOverridesArg,
+    StoredReplicasOpt,
+    console,
+    err_console,
+    user_errors,
+)
 
 app = typer.Typer(help="Checkpoints of a run: list them, verify checksums, export one file, import Hugging Face Llama.",
                   no_args_is_help=True)
@@ -68,6 +77,7 @@ def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), 
                                                                       "model-step<N>.<ext>, model-step<N>-hf)."),
            dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast the tensors to fp32, bf16 or fp16 "
                                                                      "(default: as stored, fp32)."),
+           replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Write one consolidated model file that loads without cs3ray (safetensors or torch.load), or a Hugging Face
     Llama directory (--format hf) that transformers' LlamaForCausalLM.from_pretrained loads."""
@@ -83,7 +93,8 @@ def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), 
     url = resolve_target(target, options)
     suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf"}[fmt]
     path = out or f"model-{os.path.basename(url.rstrip('/'))}{suffix}"
-    r = export_ckpt(url, path, fmt, options, DTYPES[dtype] if dtype else None)
+    r = export_ckpt(url, path, fmt, options, DTYPES[dtype] if dtype else None, replicas=replica or [],
+                    stored_replicas=use_stored_replicas)
     (err_console if as_json else console).print(f"exported step {r['step']}: {r['tensors']} {r['dtype']} tensors, {r['bytes'] / 2**20:,.1f} MB -> {r['path']}",
                   highlight=False)
     if as_json:

@@ -30,6 +30,13 @@ StorageOverridesArg = typer.Argument(None, metavar="storage.options.KEY=VALUE", 
                                           "come from the environment (AWS_ACCESS_KEY_ID, ~/.aws, ...).")
 StorageOptionsOpt = typer.Option(None, "--storage-options",
                                  help="fsspec storage options as JSON; storage.options.KEY=VALUE arguments go on top.")
+# A stored file names locations but never makes us contact them (they would get the user's credentials):
+# the replicas to fall back to are the ones the user names, or confirms.
+ReplicaOpt = typer.Option(None, "--replica", metavar="URL",
+                          help="A copy of the run to fall back to when its checkpoint is damaged or missing (repeat it).")
+StoredReplicasOpt = typer.Option(False, "--use-stored-replicas",
+                                 help="Also fall back to the checkpoint.replicas the run's stored config lists "
+                                      "(they get your storage options and credentials).")
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -11,7 +11,7 @@ from cs3ray.config import runtime_storage_options
 from cs3ray.core.precision import inference_dtype
 from cs3ray.models.generate import SamplingParams, generate_text
 
-from .common import StorageOptionsOpt, StorageOverridesArg, console, user_errors
+from .common import ReplicaOpt, StorageOptionsOpt, StorageOverridesArg, StoredReplicasOpt, console, user_errors
 
 
 @user_errors
@@ -27,10 +27,12 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
                                                                          "checkpoint's config names."),
              dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32 "
                                                             "(default: serve.dtype of the run's config)."),
+             replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
              storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Continue PROMPT with the newest checkpoint of RUN."""
     wanted = inference_dtype(dtype, "cpu") if dtype else None  # a bad name is refused before loading
-    loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code)
+    loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code,
+                                replicas=replica or [], stored_replicas=use_stored_replicas)
     # Whatever precision the run trained in: the checkpoint holds fp32 weights, cast here.
     loaded.model.to(wanted or inference_dtype(loaded.config.serve.dtype, "cpu"))
     budget = loaded.model.args.max_seq_len - len(loaded.tokenizer.encode(prompt)) - 1

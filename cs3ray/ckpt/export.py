@@ -4,7 +4,7 @@ Hugging Face Llama directory (hf)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -18,11 +18,13 @@ from .restore import Checkpoint
 FORMATS = ("safetensors", "torch", "hf")  # hf: a Hugging Face Llama directory (cs3ray.ckpt.hf_export)
 
 
-def consolidated_model(run_or_ckpt: str, options: dict | None = None,
-                       files: dict[str, bytes] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def consolidated_model(run_or_ckpt: str, options: dict | None = None, files: dict[str, bytes] | None = None,
+                       replicas: Sequence[str] = (), stored_replicas: bool = False
+                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """Full (unsharded) model tensors of a run's newest good checkpoint (or of one checkpoint folder),
-    whatever strategy wrote it, and its manifest; verified, with open_checkpoint's fallback. The names
-    in `files` are filled with those files of the checkpoint used (verified too)."""
+    whatever strategy wrote it, and its manifest; verified, with open_checkpoint's fallback (to
+    `replicas`, and to the stored config's only with `stored_replicas`). The names in `files` are
+    filled with those files of the checkpoint used (verified too)."""
     def prepare(ckpt: Checkpoint) -> dict:
         for name in files or {}:
             files[name] = ckpt.read(name)
@@ -36,12 +38,13 @@ def consolidated_model(run_or_ckpt: str, options: dict | None = None,
             raise CheckpointError(f"checkpoint '{ckpt.url}' holds no model tensors.")
         return {"model": model}
 
-    ckpt = open_checkpoint(run_or_ckpt, options, prepare=prepare)
+    ckpt = open_checkpoint(run_or_ckpt, options, prepare=prepare, replicas=replicas, stored_replicas=stored_replicas)
     return ckpt.state["model"], ckpt.manifest
 
 
 def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict | None = None,
-           dtype: torch.dtype | None = None) -> dict[str, Any]:
+           dtype: torch.dtype | None = None, replicas: Sequence[str] = (),
+           stored_replicas: bool = False) -> dict[str, Any]:
     """Write the model of a checkpoint to `out` (a directory for "hf"), its floating tensors cast to `dtype`
     (None: as stored, fp32 whatever precision trained it); returns {"path", "step", "tensors", "bytes", "dtype"}."""
     if fmt not in FORMATS:
@@ -49,9 +52,9 @@ def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict |
     if fmt == "hf":
         from .hf_export import export_hf  # it builds on consolidated_model below
 
-        return export_hf(run_or_ckpt, out, options, dtype)
+        return export_hf(run_or_ckpt, out, options, dtype, replicas=replicas, stored_replicas=stored_replicas)
     extra = {"tokenizer.json": b""}
-    model, manifest = consolidated_model(run_or_ckpt, options, extra)
+    model, manifest = consolidated_model(run_or_ckpt, options, extra, replicas, stored_replicas)
     if dtype is not None:
         model = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import yaml
 
-from cs3ray.config import build_config
+from cs3ray.config import stored_config
 from cs3ray.models import TokenizerError, tokenizer_from_json
 from cs3ray.models.hf_llama import hf_config, names, to_hf, tokenizer_files
 from cs3ray.storage import open_url
@@ -35,15 +35,16 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
 
 
 def export_hf(run_or_ckpt: str, out: str, options: dict | None = None, dtype: torch.dtype | None = None,
-              shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
+              shard_bytes: int = SHARD_BYTES, replicas: Sequence[str] = (),
+              stored_replicas: bool = False) -> dict[str, Any]:
     """Write a checkpoint's model to the directory `out` (safetensors, config.json, tokenizer files);
     returns {"path", "step", "tensors", "bytes", "dtype", "files"}."""
     from safetensors.torch import save
 
     extra = {"config.yaml": b"", "tokenizer.json": b""}
-    model, manifest = consolidated_model(run_or_ckpt, options, extra)
+    model, manifest = consolidated_model(run_or_ckpt, options, extra, replicas, stored_replicas)
     where = f"checkpoint of step {manifest['step']}"
-    cfg = build_config(yaml.safe_load(extra["config.yaml"]), source=f"the {where}'s config.yaml")
+    cfg = stored_config(yaml.safe_load(extra["config.yaml"]), source=f"the {where}'s config.yaml")
     if cfg.model.target:
         raise CheckpointError(f"the {where} holds a model.target '{cfg.model.target}' model; --format hf exports "
                               "cs3ray's built-in transformer only.")

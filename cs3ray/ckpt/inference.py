@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import yaml
 
-from cs3ray.config import JobConfig, build_config, resolve_run
+from cs3ray.config import JobConfig, resolve_run, stored_config
 from cs3ray.models import Tokenizer, TokenizerError, tokenizer_from_json
 from cs3ray.models.factory import model_from_config
 from cs3ray.models.hf_llama import hf_path
@@ -51,18 +51,20 @@ def resolve_checkpoint(run: str, options: dict | None = None) -> Storage:
 
 
 def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype = torch.float32,
-                       trust_code: bool = False) -> LoadedModel:
+                       trust_code: bool = False, replicas: Sequence[str] = (),
+                       stored_replicas: bool = False) -> LoadedModel:
     """Load the weights of a run's newest good checkpoint (or of one checkpoint folder) into a fresh
     model, whatever strategy wrote it; verified, with open_checkpoint's fallback.
 
     A model.target in the checkpoint's config is imported only with trust_code, the caller's word
     (--trust-code, or model.trust_code of the caller's own config); one stored in the checkpoint's
-    config is ignored.
+    config is ignored. So are the replicas its config lists, unless `stored_replicas` (the caller's
+    --use-stored-replicas); `replicas` are URLs the caller names to fall back to.
     """
     built: dict[str, Any] = {}
 
     def prepare(ckpt: Checkpoint) -> dict:
-        cfg = build_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
+        cfg = stored_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
         try:
             tokenizer = tokenizer_from_json(ckpt.read("tokenizer.json").decode(), f"'{ckpt.url}/tokenizer.json'")
         except (TokenizerError, UnicodeDecodeError) as exc:
@@ -71,7 +73,7 @@ def load_for_inference(run: str, options: dict | None = None, dtype: torch.dtype
         built.update(model=model, tokenizer=tokenizer, config=cfg)
         return {"model": model.state_dict()}
 
-    ckpt = open_checkpoint(run, options, prepare=prepare)
+    ckpt = open_checkpoint(run, options, prepare=prepare, replicas=replicas, stored_replicas=stored_replicas)
     model = built["model"]
     model.load_state_dict(ckpt.state["model"])
     model.to(dtype).eval()

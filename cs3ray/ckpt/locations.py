@@ -12,7 +12,7 @@ import json
 import logging
 import re
 
-from cs3ray.storage import Storage, StorageError
+from cs3ray.storage import Storage, StorageError, short_error
 
 from .chunks import METADATA, ChunkReader, ChunkStore
 from .dcp_metadata import plain_reader
@@ -63,6 +63,9 @@ class StorageLocation:
             return list_steps(self.run)
         except StorageError as exc:
             log.warning("%s '%s' unreachable: %s", self.label, self.run.url, exc)
+            return []
+        except Exception as exc:  # noqa: BLE001 - a backend's own error, e.g. botocore's NoCredentialsError
+            log.warning("%s '%s' unreachable: %s", self.label, self.run.url, short_error(exc))
             return []
 
     def folder(self, step: int) -> Storage:

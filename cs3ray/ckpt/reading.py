@@ -2,18 +2,20 @@
 
 It finds what the run's trainer would restore from, and in the same order: the memory tier when
 the run keeps one and this process is connected to its Ray cluster, the run directory, then the
-`checkpoint.replicas` of the run's config, newest step first (see restore).
+replicas, newest step first (see restore). The replicas are the URLs the caller names, plus the
+`checkpoint.replicas` of the run's stored config only when the caller confirms them
+(`--use-stored-replicas`): a stored file names locations, it never makes us contact them.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 import yaml
 
-from cs3ray.config import JobConfig, build_config, resolve_run
+from cs3ray.config import JobConfig, resolve_run, stored_config
 from cs3ray.errors import UserError
 from cs3ray.storage import Storage, StorageError, open_url
 
@@ -31,12 +33,12 @@ def _run_config(run: Storage) -> JobConfig | None:
     for s in reversed(list_steps(run)):
         try:
             text = loc.read(s, "config.yaml", read_manifest(loc.folder(s)))
-            return build_config(yaml.safe_load(text), source=f"{loc.folder(s).url}/config.yaml")
+            return stored_config(yaml.safe_load(text), source=f"{loc.folder(s).url}/config.yaml")
         except (UserError, yaml.YAMLError):
             continue  # damaged (restore will refuse it too) or written by another version
     try:
         if run.exists("config.yaml"):
-            return build_config(yaml.safe_load(run.read_text("config.yaml")), source=f"{run.url}/config.yaml")
+            return stored_config(yaml.safe_load(run.read_text("config.yaml")), source=f"{run.url}/config.yaml")
     except (UserError, yaml.YAMLError):
         pass
     return None
@@ -57,8 +59,9 @@ def _keepers_running() -> bool:
         return False
 
 
-def _target(run_or_url: str, options: dict | None, step: int | None) -> dict:
-    """What to open: the run's URL, the step when one is named, replicas and whether to ask memory."""
+def _target(run_or_url: str, options: dict | None, step: int | None, stored_replicas: bool) -> dict:
+    """What to open: the run's URL, the step when one is named, the stored replicas (all of them, and those to
+    use: only when confirmed) and whether to ask memory."""
     storage = open_url(resolve_run(run_or_url), options)
     try:
         explicit = storage.exists(MANIFEST)
@@ -78,16 +81,19 @@ def _target(run_or_url: str, options: dict | None, step: int | None) -> dict:
     except StorageError as exc:
         raise CheckpointError(str(exc)) from None
     return {"run": run.url, "step": step, "folder": storage.url if explicit else None,
-            "replicas": list(cfg.checkpoint.replicas) if cfg else [],
+            "stored": list(cfg.checkpoint.replicas) if cfg else [],
+            "replicas": list(cfg.checkpoint.replicas) if cfg and stored_replicas else [],
             "memory": bool(cfg and cfg.checkpoint.memory_tier and _keepers_running())}
 
 
 def open_checkpoint(run_or_url: str, storage_options: dict | None = None, step: int | None = None,
-                    prepare: Callable[[Checkpoint], dict] | None = None) -> Checkpoint:
+                    prepare: Callable[[Checkpoint], dict] | None = None, replicas: Sequence[str] = (),
+                    stored_replicas: bool = False) -> Checkpoint:
     """Open the newest good checkpoint of a run (a name means runs/<name>, or a path or URL).
 
     Verified and with the fallback of the trainer's restore: memory (when the run keeps one and
-    its keepers are reachable) -> the run directory -> the replicas of its config -> the previous
+    its keepers are reachable) -> the run directory -> `replicas` (URLs the caller names), then
+    those of the run's stored config when `stored_replicas` confirms them -> the previous
     step, with one warning line naming a refused checkpoint and why. A checkpoint folder, or
     `step`, opens that step only (its copies in memory and replicas still count), and a damaged
     one is a CheckpointError. `prepare(ckpt)` builds the state dict to load from a candidate (from
@@ -97,7 +103,7 @@ def open_checkpoint(run_or_url: str, storage_options: dict | None = None, step: 
     target: dict | str | None = None
     if rank() == 0:
         try:
-            target = _target(run_or_url, storage_options, step)
+            target = _target(run_or_url, storage_options, step, stored_replicas)
         except CheckpointError as exc:
             target = str(exc)
     target = broadcast(target)  # every rank opens the same locations
@@ -108,5 +114,14 @@ def open_checkpoint(run_or_url: str, storage_options: dict | None = None, step: 
     if target["memory"]:
         locs.append(MemoryLocation(MemoryTier(run.url)))
     locs.append(StorageLocation(run))
-    locs += [StorageLocation(open_url(u, storage_options), "replica") for u in target["replicas"]]
-    return restore(locs, target["folder"] or run.url, prepare, target["step"])
+    urls = list(dict.fromkeys([*replicas, *target["replicas"]]))
+    locs += [StorageLocation(open_url(u, storage_options), "replica") for u in urls]
+    try:
+        return restore(locs, target["folder"] or run.url, prepare, target["step"])
+    except CheckpointError as exc:
+        unused = [u for u in target["stored"] if u not in urls]
+        if not unused:
+            raise
+        raise CheckpointError(f"{str(exc).rstrip('.')}; the run's stored config lists {len(unused)} replica(s), not "
+                              "contacted unless you confirm them with --use-stored-replicas or name them with "
+                              "--replica URL.") from None

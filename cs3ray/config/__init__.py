@@ -9,6 +9,7 @@ from .loader import (
                      load_config,
                      redact_config_text,
                      runtime_storage_options,
+                     stored_config,
                      to_yaml,
 )
 from .redact import redact_config, redact_options
@@ -17,4 +18,4 @@ from .schema import JobConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "build_config", "config_hash", "explain",
            "load_config", "open_run", "redact_config", "redact_config_text", "redact_options", "resolve_run",
-           "run_dir", "runtime_storage_options", "to_yaml"]
+           "run_dir", "runtime_storage_options", "stored_config", "to_yaml"]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from cs3ray.errors import UserError
 
 from .redact import redact_config
-from .schema import JobConfig
+from .schema import STORED, JobConfig
 
 
 class ConfigError(UserError):
@@ -123,6 +123,21 @@ def build_config(data: dict, source: str = "config") -> JobConfig:
     """Validate a dict into a JobConfig, with one-line errors."""
     try:
         return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def stored_config(data: Any, source: str) -> JobConfig:
+    """A config read back from a checkpoint or run directory: a description of that run, never a way to reach storage.
+
+    Its storage.options are dropped (a stored endpoint_url never gets the user's credentials) and validating it
+    opens nothing it names (train.init_from=hf:URL). The locations it names (checkpoint.replicas, run.dir,
+    train.init_from) are opened by no reader unless the user names or confirms them.
+    """
+    if isinstance(data, dict) and isinstance(data.get("storage"), dict):
+        data = {**data, "storage": {**data["storage"], "options": {}}}
+    try:
+        return JobConfig.model_validate(data, context={STORED: True})
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
 

@@ -6,7 +6,7 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cs3ray.errors import UserError
 from cs3ray.models import PRESETS, ByteTokenizer, ModelArgs, TokenizerError, load_tokenizer, padded_vocab
@@ -16,6 +16,8 @@ from cs3ray.models.hf_llama import hf_path, model_fields, read_config
 from .redact import strip_masked
 from .runs import run_dir
 
+# Validation context key of a config read back from storage (loader.stored_config): it opens nothing it names.
+STORED = "stored"
 
 def _callable_spec(v: str | None) -> str | None:
     """A 'package.module:function' setting (model.target, data.transform), checked for its form only."""
@@ -340,8 +342,8 @@ class JobConfig(Section):
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving replicas and the inference engine.")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobConfig":
-        self._fill_from_hf()
+    def _consistent(self, info: ValidationInfo) -> "JobConfig":
+        self._fill_from_hf(stored=bool(info.context and info.context.get(STORED)))
         self._fit_vocab()
         args = self.model.args()
         if self.train.seq_len > args.max_seq_len:
@@ -376,8 +378,11 @@ class JobConfig(Section):
                                  "lost replicas only in fixed-size groups)")
         return self
 
-    def _fill_from_hf(self) -> None:
-        """train.init_from=hf:DIR: model fields left unset come from DIR's config.json; set ones must agree."""
+    def _fill_from_hf(self, stored: bool = False) -> None:
+        """train.init_from=hf:DIR: model fields left unset come from DIR's config.json; set ones must agree.
+
+        A `stored` config (read back from a checkpoint or run) never has DIR opened: it may name anyone's storage.
+        """
         src = hf_path(self.train.init_from or "")
         if src is None:
             return
@@ -386,6 +391,9 @@ class JobConfig(Section):
                              f"not model.target '{self.model.target}'")
         if all(getattr(self.model, k) is not None for k in HF_SHAPE_FIELDS):
             return  # every field explicit (a config stored in a checkpoint): the weights' load checks the shapes
+        if stored:
+            raise ValueError(f"model fields are unset beside train.init_from={self.train.init_from}; a stored config "
+                             "names every model field, and the directory it names is not opened")
         try:
             fields = model_fields(read_config(src, self.storage.options), f"'{src}/config.json'")
         except UserError as exc:

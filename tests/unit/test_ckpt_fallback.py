@@ -122,7 +122,7 @@ def test_a_named_checkpoint_is_opened_or_refused_never_replaced_by_another(tmp_p
         open_checkpoint(str(run), step=7)
 
 
-def test_readers_use_the_replicas_the_runs_config_names(tmp_path, caplog):
+def test_readers_use_the_replicas_the_user_names_or_confirms(tmp_path, caplog):
     replica = tmp_path / "replica"
     mgr = CheckpointManager(str(tmp_path / "run"), replicas=[str(replica)])
     model = small_model()
@@ -130,6 +130,14 @@ def test_readers_use_the_replicas_the_runs_config_names(tmp_path, caplog):
     for chunk in (tmp_path / "run" / "chunks").rglob("*"):
         if chunk.is_file():
             chunk.write_bytes(b"garbage")
-    loaded = load_for_inference(str(tmp_path / "run"))
+    # The replicas a stored config lists are not contacted unless the user confirms them.
+    with pytest.raises(CheckpointError, match=r"lists 1 replica\(s\), not contacted .*--use-stored-replicas"):
+        load_for_inference(str(tmp_path / "run"))
+    loaded = load_for_inference(str(tmp_path / "run"), stored_replicas=True)
     assert loaded.step == 5 and same(loaded.model, model) and loaded.url == str(replica / "step-00000005")
     assert f"using {replica / 'step-00000005'}" in caplog.text
+    loaded = load_for_inference(str(tmp_path / "run"), replicas=[str(replica)])  # named by the user
+    assert loaded.url == str(replica / "step-00000005") and same(loaded.model, model)
+    model_state, manifest = consolidated_model(str(tmp_path / "run"), replicas=[str(replica)])  # ckpt export
+    assert manifest["step"] == 5 and all(torch.equal(model_state[k], v) for k, v in model.state_dict().items())
+    assert load_init_weights(small_model(3), str(tmp_path / "run"), stored_replicas=True)["step"] == 5
