@@ -32,8 +32,9 @@ StorageOptionsOpt = typer.Option(None, "--storage-options",
                                  help="fsspec storage options as JSON; storage.options.KEY=VALUE arguments go on top.")
 # A stored file names locations but never makes us contact them (they would get the user's credentials):
 # the replicas to fall back to are the ones the user names, or confirms.
-ReplicaOpt = typer.Option(None, "--replica", metavar="URL",
-                          help="A copy of the run to fall back to when its checkpoint is damaged or missing (repeat it).")
+ReplicaOpt = typer.Option(None, "--ckpt-replica", metavar="URL",
+                          help="A copy of the run's checkpoints to fall back to when one is damaged or missing "
+                               "(repeat it).")
 StoredReplicasOpt = typer.Option(False, "--use-stored-replicas",
                                  help="Also fall back to the checkpoint.replicas the run's stored config lists "
                                       "(they get your storage options and credentials).")

@@ -15,7 +15,15 @@ from cs3ray.errors import UserError
 from cs3ray.serve.deploy import make_spec
 from cs3ray.serve.launch import delete_app, run_app
 
-from .common import AddressOpt, StorageOptionsOpt, StorageOverridesArg, console, user_errors
+from .common import (
+    AddressOpt,
+    ReplicaOpt,
+    StorageOptionsOpt,
+    StorageOverridesArg,
+    StoredReplicasOpt,
+    console,
+    user_errors,
+)
 
 STOP = "stop"
 
@@ -39,6 +47,7 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           max_batch: Optional[int] = typer.Option(None, min=1, help="Sequences batched together (1: no batching)."),
           follow: bool = typer.Option(False, "--follow", help="Hot-reload newer checkpoints of RUN as training writes them."),
           detach: bool = typer.Option(False, "--detach", help="Leave the app running on the remote cluster and exit."),
+          ckpt_replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
           address: Optional[str] = AddressOpt,
           storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
@@ -47,7 +56,8 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
         return
     spec = make_spec(run, name=name, token=token, follow=follow, host=host, insecure=insecure, trust_code=trust_code,
                      overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch},
-                     storage_options=runtime_storage_options(storage or [], storage_options))
+                     storage_options=runtime_storage_options(storage or [], storage_options),
+                     ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas)
 
     def ready(url: str) -> None:
         auth = "bearer token required" if spec.token else "no auth"

@@ -38,12 +38,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve an open API (no token) on a non-loopback --host: anyone who reaches it can use it")
     parser.add_argument("--trust-code", action="store_true",
                         help="import and run the model.target code the checkpoint's config names")
+    parser.add_argument("--ckpt-replica", action="append", default=[], metavar="URL",
+                        help="a copy of the run's checkpoints to fall back to (repeat it)")
+    parser.add_argument("--use-stored-replicas", action="store_true",
+                        help="also fall back to the checkpoint.replicas the run's stored config lists")
     args = parser.parse_intermixed_args(argv)  # storage options may come after other options
     try:
         spec = make_spec(args.run, name=args.name, token=args.token, follow=args.follow, host=args.host,
                          insecure=args.insecure, trust_code=args.trust_code,
                          overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
-                         storage_options=runtime_storage_options(args.storage, args.storage_options))
+                         storage_options=runtime_storage_options(args.storage, args.storage_options),
+                         ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas)
         run_app(spec, args.host, args.port, address=os.environ.get("RAY_ADDRESS", "auto"),
                 on_ready=lambda url: print(f"serving {spec.name} at {url}/v1", flush=True))
     except UserError as exc:

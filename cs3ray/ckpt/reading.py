@@ -124,4 +124,4 @@ def open_checkpoint(run_or_url: str, storage_options: dict | None = None, step: 
             raise
         raise CheckpointError(f"{str(exc).rstrip('.')}; the run's stored config lists {len(unused)} replica(s), not "
                               "contacted unless you confirm them with --use-stored-replicas or name them with "
-                              "--replica URL.") from None
+                              "--ckpt-replica URL.") from None

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from cs3ray.ckpt import open_checkpoint
 from cs3ray.ckpt.manifest import MANIFEST
-from cs3ray.config import build_config, resolve_run
+from cs3ray.config import resolve_run, stored_config
 from cs3ray.errors import UserError
 from cs3ray.models.factory import require_trust
 from cs3ray.storage import is_remote, open_url
@@ -42,7 +42,8 @@ def check_exposure(host: str, token: str | None, insecure: bool = False) -> None
 def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
               overrides: dict[str, Any] | None = None, storage_options: dict | None = None,
               route_prefix: str = "/", host: str = "127.0.0.1", insecure: bool = False,
-              trust_code: bool = False) -> ServeSpec:
+              trust_code: bool = False, ckpt_replicas: list[str] | None = None,
+              stored_replicas: bool = False) -> ServeSpec:
     """What `cs3 serve` and jobs/serve.py share before any Ray: refuse an open API on a non-loopback
     `host`, check the checkpoint is there and read its serve section (the command's values on top)."""
     if token is not None and not token.strip():
@@ -51,10 +52,11 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     url = resolve_run(run)
     if not is_remote(url):
         url = os.path.abspath(url)  # replicas run in other working directories
-    ckpt = open_checkpoint(url, storage_options)  # the checkpoint the replicas will load
+    ckpt = open_checkpoint(url, storage_options, replicas=ckpt_replicas or [],  # the one the replicas will load
+                           stored_replicas=stored_replicas)
     if follow and open_url(url, storage_options).exists(MANIFEST):
         raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
-    cfg = build_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
+    cfg = stored_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
     require_trust(cfg, trust_code, f"checkpoint '{ckpt.url}'")  # here, not first in every replica
     values = cfg.serve.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
@@ -65,7 +67,7 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     name = name or cfg.run.name
     return ServeSpec(run=url, name=name, serve=serve_cfg, token=token, follow=follow,
                      storage_options=storage_options, route_prefix=route_prefix, insecure=insecure,
-                     trust_code=trust_code)
+                     trust_code=trust_code, ckpt_replicas=list(ckpt_replicas or []), stored_replicas=stored_replicas)
 
 
 def build_app(spec: ServeSpec):

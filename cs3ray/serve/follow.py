@@ -42,7 +42,8 @@ class Follower:
             return False
         self.seen = newest  # a damaged one is refused once (with its warning), not on every poll
         loaded = load_for_inference(self.spec.run, self.spec.storage_options, dtype=self.dtype,
-                                    trust_code=self.spec.trust_code)
+                                    trust_code=self.spec.trust_code, replicas=self.spec.ckpt_replicas,
+                                    stored_replicas=self.spec.stored_replicas)
         if loaded.url == self.current:
             return False
         if self.tokenizer is not None:

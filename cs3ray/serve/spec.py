@@ -24,6 +24,9 @@ class ServeSpec:
     insecure: bool = False  # the user allows an open API on an interface other machines reach
     trust_code: bool = False  # the user allows importing a model.target named by the checkpoint's config
     follow: bool = False  # poll `run` for newer checkpoints and hot-swap them in
+    # Checkpoint replicas to fall back to: the user's URLs, and the run's stored ones only when confirmed.
+    ckpt_replicas: list[str] = field(default_factory=list)
+    stored_replicas: bool = False
     storage_options: dict | None = field(default=None, repr=False)  # credentials: kept out of logs
     route_prefix: str = "/"
     # Extra keys of Serve's autoscaling_config (upscale_delay_s, downscale_delay_s, look_back_period_s...)

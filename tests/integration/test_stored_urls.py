@@ -140,3 +140,11 @@ def test_stored_storage_options_never_carry_the_users_credentials(tmp_path, list
         export_hf(str(run / "step-00000001"), str(tmp_path / "hf"))
     assert consolidated_model(str(run))[1]["step"] == 1  # reads the weights, validates no config
     assert listener.requests == []
+
+
+def test_serve_reads_the_checkpoint_without_contacting_the_stored_urls(tmp_path, listener):
+    from cs3ray.serve.deploy import make_spec
+
+    spec = make_spec(str(crafted_run(tmp_path, listener)))
+    assert spec.ckpt_replicas == [] and not spec.stored_replicas
+    assert listener.requests == []
