@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from cs3ray.names import check_hex
 from cs3ray.storage import Storage, StorageError
 
-from .dcp_metadata import guard_planner, load_metadata
+from .dcp_metadata import guard_planner, item_nbytes, load_metadata
 from .manifest import CheckpointError
 
 METADATA = ".metadata"
@@ -96,8 +97,9 @@ class ChunkStore:
     def __init__(self, run: Storage) -> None:
         self.root = run.child("chunks")
 
-    @staticmethod
-    def name(h: str) -> tuple[str, str]:
+    def name(self, h: str) -> tuple[str, str]:
+        """(folder, file) of chunk `h`; an id that is not hex is refused before it becomes a path."""
+        check_hex(h, f"a chunk id for '{self.root.url}'", CheckpointError)
         return h[:2], h
 
     def put(self, h: str, blob: Any) -> None:
@@ -240,6 +242,9 @@ class ChunkReader(StorageReader):
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(memoryview(blob).tobytes()))
                     continue
+                if memoryview(blob).nbytes != item_nbytes(info):  # checked before any tensor is made from it
+                    raise CheckpointError(f"'{self.where}' says chunk {h[:12]} holds a {info['dtype']} tensor of shape "
+                                          f"{tuple(info['shape'])}, but it holds {memoryview(blob).nbytes} bytes.")
                 tensor = narrow_tensor_by_index(blob_tensor(blob, info["dtype"], info["shape"]),
                                                 req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()

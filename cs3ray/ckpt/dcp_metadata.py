@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from cs3ray.names import check_hex, check_name
 from cs3ray.storage import Storage, is_remote
 
 from .manifest import CheckpointError
@@ -67,7 +69,84 @@ def load_metadata(blob: bytes, where: str) -> Metadata:
         raise CheckpointError(f"checkpoint file '{where}' is not DCP metadata ({type(exc).__name__}: {exc}).") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint file '{where}' holds a {type(metadata).__name__}, not DCP metadata.")
+    if not isinstance(metadata.storage_data or {}, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"checkpoint file '{where}' is not DCP metadata (its entries are not mappings).")
+    for info in (metadata.storage_data or {}).values():
+        _check_item(info, where)
     return metadata
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def item_dtype(name: object) -> torch.dtype | None:
+    """The torch dtype a chunked `.metadata` item names ("torch.float32"), or None when it names none."""
+    found = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) and name.isascii() else None
+    return found if isinstance(found, torch.dtype) else None
+
+
+def item_nbytes(info: dict) -> int:
+    """The bytes a tensor item of a chunked `.metadata` claims: its shape times its dtype's size."""
+    n = item_dtype(info["dtype"]).itemsize  # type: ignore[union-attr] - checked by _check_item
+    for d in info["shape"]:
+        n *= d
+    return n
+
+
+def _check_item(info: object, where: str) -> None:
+    """Where one item is stored: a plain DCP file (a name in the folder) or one of our chunks (an id, a tensor's
+    dtype and shape); refused before any of it becomes a path."""
+    if isinstance(info, _StorageInfo):
+        check_name(info.relative_path, f"checkpoint file '{where}'", CheckpointError)
+        if not _count(info.offset) or not _count(info.length):
+            raise CheckpointError(f"checkpoint file '{where}' places an item at offset {info.offset!r}, length "
+                                  f"{info.length!r}: not byte counts.")
+        return
+    if not isinstance(info, dict):
+        raise CheckpointError(f"checkpoint file '{where}' stores an item as a {type(info).__name__}, which neither "
+                              "cs3ray nor DCP writes.")
+    check_hex(info.get("chunk"), f"checkpoint file '{where}'", CheckpointError)
+    if info.get("kind") == "bytes":
+        return
+    shape = info.get("shape")
+    if item_dtype(info.get("dtype")) is None or not isinstance(shape, list) or not all(map(_count, shape)):
+        raise CheckpointError(f"checkpoint file '{where}' describes chunk {info['chunk'][:12]} with dtype "
+                              f"{info.get('dtype')!r} and shape {shape!r}, which are not a tensor's.")
+
+
+def check_sizes(metadata: Metadata, manifest: dict, where: str) -> None:
+    """Every tensor `.metadata` declares fits in the bytes the (verified) manifest says are stored for it.
+
+    Run before tensors are allocated from the declared sizes (export), so a crafted `.metadata` cannot claim
+    a tensor larger than its checkpoint.
+    """
+    chunks, files = manifest.get("chunks") or {}, manifest.get("files") or {}
+    stored: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(info, _StorageInfo):
+            size = (files.get(info.relative_path) or {}).get("size", 0)
+            if info.offset + info.length > size:
+                raise CheckpointError(f"checkpoint file '{where}' places an item at bytes {info.offset}..."
+                                      f"{info.offset + info.length} of '{info.relative_path}', which holds {size}.")
+            n = info.length
+        else:
+            n = chunks.get(info["chunk"], 0)
+        fqn = getattr(index, "fqn", None)
+        stored[fqn] = stored.get(fqn, 0) + n
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        dtype, size = getattr(md.properties, "dtype", None), md.size
+        if not isinstance(dtype, torch.dtype) or not isinstance(size, (tuple, list)) or not all(map(_count, size)):
+            raise CheckpointError(f"checkpoint file '{where}' declares tensor '{fqn}' with dtype {dtype!r} and "
+                                  f"size {size!r}, which are not a tensor's.")
+        claimed = dtype.itemsize
+        for d in size:
+            claimed *= d
+        if claimed > stored.get(fqn, 0):
+            raise CheckpointError(f"checkpoint file '{where}' declares tensor '{fqn}' of shape {tuple(md.size)} "
+                                  f"({claimed} bytes), more than the {stored.get(fqn, 0)} bytes stored for it.")
 
 
 class _PlainDataBytes:

@@ -9,8 +9,6 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .chunks import METADATA
-from .dcp_metadata import load_metadata
 from .manifest import CheckpointError
 from .reading import open_checkpoint
 from .restore import Checkpoint
@@ -28,8 +26,8 @@ def consolidated_model(run_or_ckpt: str, options: dict | None = None, files: dic
     def prepare(ckpt: Checkpoint) -> dict:
         for name in files or {}:
             files[name] = ckpt.read(name)
-        # Verified against the manifest, then unpickled admitting DCP's metadata classes only.
-        metadata = load_metadata(ckpt.read(METADATA), f"{ckpt.url}/{METADATA}")
+        # Verified, unpickled admitting DCP's classes only, its sizes no larger than the stored bytes.
+        metadata = ckpt.metadata()
         model: dict[str, torch.Tensor] = {}
         for key, md in metadata.state_dict_metadata.items():
             if key.startswith("model.") and isinstance(md, TensorStorageMetadata):

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from cs3ray.config import build_config, resolve_run, to_yaml
 from cs3ray.models import ByteTokenizer, ModelArgs, Tokenizer, load_tokenizer
 from cs3ray.models.hf_llama import SHAPE_FIELDS, HFModelError, from_hf, model_fields, read_config, tokenizer_from_hf
+from cs3ray.names import check_name
 from cs3ray.storage import Storage, is_remote, open_url
 
 from .locations import list_steps
@@ -33,11 +34,13 @@ def read_tensors(storage: Storage) -> dict[str, torch.Tensor]:
     if storage.exists(INDEX):
         try:
             weight_map = json.loads(storage.read_text(INDEX))["weight_map"]
-            files = sorted(set(weight_map.values()))
+            names = list(weight_map.values())
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             raise HFModelError(f"'{storage.url}/{INDEX}' is not a valid safetensors index (no weight_map).") from None
+        # Shard names are any file name Hugging Face tools chose, but never a path out of the directory.
+        files = sorted({check_name(name, f"'{storage.url}/{INDEX}'", HFModelError, ours=False) for name in names})
         for name in files:
-            if not isinstance(name, str) or "/" in name or not storage.exists(name):
+            if not storage.exists(name):
                 raise HFModelError(f"'{storage.url}' lacks the shard '{name}' that {INDEX} names.")
     elif storage.exists(SINGLE):
         files = [SINGLE]

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from cs3ray.errors import UserError
+from cs3ray.names import check_hex, check_name
 from cs3ray.storage import Storage
 
 # 2: chunks are named by XXH3-128 (32 hex digits); format-1 folders (sha256-named chunks) still load.
@@ -69,7 +70,28 @@ def read_manifest(folder: Storage) -> dict:
         manifest["files"], manifest["step"]  # noqa: B018 - required keys
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"'{folder.url}/{MANIFEST}' is corrupt.") from None
+    check_listing(manifest, f"'{folder.url}/{MANIFEST}'")
     return manifest
+
+
+def check_listing(manifest: dict, source: str) -> None:
+    """Every file a manifest lists is a plain name in its folder and every chunk an id, with sizes that are
+    byte counts: checked before any of them becomes a path (a crafted manifest must not name `../x`)."""
+    files, chunks = manifest.get("files"), manifest.get("chunks", {})
+    if not isinstance(files, dict) or not isinstance(chunks, dict):
+        raise CheckpointError(f"{source} is corrupt (its files or chunks are not a mapping).")
+    for name, meta in files.items():
+        check_name(name, source, CheckpointError)
+        if not isinstance(meta, dict) or not _count(meta.get("size")) or not isinstance(meta.get("sha256"), str):
+            raise CheckpointError(f"{source} is corrupt (the entry of '{name}' has no byte size and sha256).")
+    for h, size in chunks.items():
+        check_hex(h, source, CheckpointError)
+        if not _count(size):
+            raise CheckpointError(f"{source} is corrupt (chunk {h[:12]} has size {size!r}, not a byte count).")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(folder: Storage, manifest: dict | None = None) -> dict:

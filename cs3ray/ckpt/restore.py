@@ -18,10 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from cs3ray.errors import UserError
 from cs3ray.storage import StorageError
 
+from .chunks import METADATA
+from .dcp_metadata import check_sizes, load_metadata
 from .locations import MemoryLocation, restore_order
 from .manifest import CheckpointError
 
@@ -129,6 +132,14 @@ class Checkpoint:
     def reader(self) -> Any:
         """A DCP StorageReader of its tensors; every chunk is checked against its hash as it is read."""
         return self.location.reader(self.step, self.manifest)
+
+    def metadata(self) -> Metadata:
+        """Its DCP `.metadata`: verified, unpickled admitting DCP's classes only, and every tensor it declares
+        no larger than the bytes the manifest lists for it (so tensors may be allocated from it)."""
+        where = f"{self.url}/{METADATA}"
+        metadata = load_metadata(self.read(METADATA), where)
+        check_sizes(metadata, self.manifest, where)
+        return metadata
 
 
 def restore(locs: list, name: str, prepare: Callable[[Checkpoint], dict] | None = None,

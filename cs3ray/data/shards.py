@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cs3ray.models import ByteTokenizer, Tokenizer, TokenizerError, check_same, tokenizer_from_json
+from cs3ray.names import check_name
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .corpus import Corpus, DataError, open_corpus
@@ -154,9 +155,36 @@ def read_manifest(dest: Storage) -> dict:
         manifest = json.loads(dest.read_text(MANIFEST))
         assert manifest["format_version"] == FORMAT_VERSION
         assert manifest["splits"]["train"] and manifest["splits"]["val"]
-    except (ValueError, KeyError, AssertionError, TypeError):
+        entries = [e for split in manifest["splits"].values() for e in split]
+    except (ValueError, KeyError, AssertionError, TypeError, AttributeError):
         raise DataError(f"'{dest.url}/{MANIFEST}' is corrupt or of another format version.") from None
+    for entry in entries:
+        _check_entry(entry, f"'{dest.url}/{MANIFEST}'")
     return manifest
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entry(entry: object, source: str) -> None:
+    """One shard of a manifest: a file name in the set's folder (never a path), counts and a sha256."""
+    if not isinstance(entry, dict):
+        raise DataError(f"{source} is corrupt (a shard entry is a {type(entry).__name__}).")
+    name = check_name(entry.get("file"), source, DataError)
+    if not _count(entry.get("samples")) or not _count(entry.get("bytes")) or not isinstance(entry.get("sha256"), str):
+        raise DataError(f"{source} is corrupt (shard '{name}' lacks its sample count, byte size or sha256).")
+
+
+def check_rows(data: bytes, entry: dict, url: str) -> None:
+    """Refuse shard bytes (already checksum-verified) that hold another number of samples than the manifest
+    claims: the claim sizes the sample order, so it must be what is stored (read from the parquet footer)."""
+    try:
+        rows = pq.ParquetFile(io.BytesIO(data)).metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError):
+        raise DataError(f"shard '{url}' is not a parquet file.") from None
+    if rows != entry["samples"]:
+        raise DataError(f"shard '{url}' holds {rows} samples, but the manifest claims {entry['samples']}.")
 
 
 def shard_tokenizer(manifest: dict, url: str) -> Tokenizer:
@@ -185,6 +213,7 @@ def read_split(dest: Storage, manifest: dict, split: str) -> np.ndarray:
     for e in manifest["splits"][split]:
         data = dest.read_bytes(e["file"])
         verify_shard(data, e, dest.path(e["file"]))
+        check_rows(data, e, dest.path(e["file"]))
         out.append(decode_tokens(pq.read_table(io.BytesIO(data)).column(TOKEN_COLUMN).to_pylist()))
     return np.concatenate(out)
 

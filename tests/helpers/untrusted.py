@@ -1,9 +1,11 @@
-"""Checkpoints from an untrusted source: pickled payloads planted past the checksum gate, and a model factory."""
+"""Checkpoints and shard sets from an untrusted source: pickled payloads planted past the checksum gate, a model
+factory, and stored names that climb out of their folder."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import pickle
 from pathlib import Path
@@ -57,3 +59,44 @@ def write_target_module(folder: Path) -> tuple[str, Path]:
         f"    pathlib.Path({str(marker)!r}).touch()\n"
         "    return Transformer(ModelConfig(**section).args())\n")
     return "mymodels:build", marker
+
+
+SECRET = "a file outside every folder under test\n"
+
+
+class Outside:
+    """A folder beside the one under test, holding a sentinel file that crafted names point at.
+
+    `names(folder)` are the ways a stored name can reach the sentinel from `folder`; `untouched()`
+    asserts the sentinel kept its bytes and nothing new appeared in the folder.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "outside"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.secret = self.dir / "secret"
+        self.secret.write_text(SECRET)
+        self.size, self.sha256 = len(SECRET), hashlib.sha256(SECRET.encode()).hexdigest()
+
+    def names(self, folder: Path) -> dict[str, str]:
+        up = os.path.relpath(self.secret, folder)
+        return {"climbing": up, "absolute": str(self.secret), "climbing-inside": f"a/../{up}",
+                "backslash": up.replace("/", "\\"), "nul": f"secret\0{up}", "empty": ""}
+
+    def untouched(self) -> None:
+        assert self.secret.read_text() == SECRET
+        assert sorted(p.name for p in self.dir.iterdir()) == ["secret"]
+
+
+def list_in_manifest(folder: Path, name: str, size: int, sha256: str) -> None:
+    """Add `name` to a checkpoint manifest's files with the given size and sha256 (as a forger would)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][name] = {"size": size, "sha256": sha256}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def rewrite_metadata(folder: Path, change) -> None:
+    """`change(metadata)` on the folder's `.metadata`, planted with its checksum in the manifest."""
+    metadata = load_metadata((folder / METADATA).read_bytes(), "ours")
+    change(metadata)
+    plant(folder, METADATA, pickle.dumps(metadata))

@@ -1,9 +1,13 @@
-"""Loading a checkpoint never runs code from it: crafted pickles are refused, model.target needs --trust-code."""
+"""Loading a checkpoint never runs code from it (crafted pickles are refused, model.target needs --trust-code), and
+never reads outside it (stored names that are paths are refused, declared sizes are checked against the bytes)."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -14,10 +18,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from cs3ray.ckpt import CheckpointError, CheckpointManager, load_for_inference
+from cs3ray.ckpt.catalog import verify_checkpoints
 from cs3ray.ckpt.chunks import METADATA, ChunkStore, digest
 from cs3ray.ckpt.dcp_metadata import load_metadata
 from cs3ray.ckpt.export import consolidated_model
-from cs3ray.ckpt.manifest import write_manifest
+from cs3ray.ckpt.manifest import MANIFEST, read_manifest, write_manifest
 from cs3ray.config import load_config, to_yaml
 from cs3ray.errors import UserError
 from cs3ray.models import ByteTokenizer, Transformer
@@ -26,7 +31,16 @@ from cs3ray.storage import open_url
 
 from helpers.serve_checkpoints import make_checkpoint
 from helpers.strategy_checkpoints import STRATEGIES, save_and_load_every_strategy
-from helpers.untrusted import OpenForWrite, Touch, crafted_metadata, plant, write_target_module
+from helpers.untrusted import (
+    OpenForWrite,
+    Outside,
+    Touch,
+    crafted_metadata,
+    list_in_manifest,
+    plant,
+    rewrite_metadata,
+    write_target_module,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,3 +137,95 @@ def test_a_checkpoints_model_target_is_imported_only_with_trust_code(tmp_path, t
     assert make_spec(folder, trust_code=True).trust_code
     assert load_for_inference(folder, trust_code=True).step == 1
     assert marker.exists()
+
+
+# -- names from storage are names, never paths -------------------------------------------------------------------
+NAMES = ["climbing", "absolute", "climbing-inside", "backslash", "nul", "empty"]
+
+
+@pytest.mark.parametrize("kind", NAMES)
+def test_a_manifest_naming_a_path_is_refused_before_anything_is_read(tmp_path, kind):
+    # The forged entry carries the sentinel's real size and sha256: only the name check can stop it.
+    outside = Outside(tmp_path)
+    folder = Path(make_checkpoint(tmp_path / "run"))
+    name = outside.names(folder)[kind]
+    list_in_manifest(folder, name, outside.size, outside.sha256)
+    refused = r"manifest.json' names the file .*; refusing to read it\.$"
+    (result,) = verify_checkpoints(str(tmp_path / "run"))  # cs3 ckpt verify
+    assert not result["ok"] and re.search(refused, result["error"]), result
+    with pytest.raises(CheckpointError, match=refused):
+        read_manifest(open_url(str(folder)))
+    with pytest.raises(CheckpointError, match=r"manifest.json' names the file"):
+        load_for_inference(str(folder))  # generate / serve
+    outside.untouched()
+
+
+def test_a_chunk_id_that_is_not_hex_is_refused(tmp_path):
+    outside = Outside(tmp_path)
+    folder = Path(make_checkpoint(tmp_path / "run"))
+    store = ChunkStore(open_url(str(tmp_path / "run")))
+    climb = os.path.relpath(outside.secret, Path(store.root.path()) / "xx")
+    for bad in (climb, "0" * 31, "G" * 32, "A" * 32):  # a path, too short, not hex, upper case
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["chunks"] = {bad: outside.size}
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=r"manifest.json' names the chunk .*, which is not 32 or 64 hex"):
+            load_for_inference(str(folder))
+    with pytest.raises(CheckpointError, match="not 32 or 64 hex digits"):
+        store.get(climb)
+    outside.untouched()
+
+
+def test_a_metadata_item_naming_a_path_is_refused(tmp_path):
+    # Chunked `.metadata` names each item's chunk; a climbing one would be read from outside the chunk folder.
+    outside = Outside(tmp_path)
+    folder = Path(make_checkpoint(tmp_path / "run"))
+    climb = os.path.relpath(outside.secret, Path(ChunkStore(open_url(str(tmp_path / "run"))).root.path()) / "xx")
+
+    def climb_first(metadata):
+        next(iter(metadata.storage_data.values()))["chunk"] = climb
+
+    rewrite_metadata(folder, climb_first)
+    for load in (lambda: load_for_inference(str(folder)), lambda: consolidated_model(str(folder))):
+        with pytest.raises(CheckpointError, match=r"\.metadata' names the chunk .*, which is not 32 or 64 hex"):
+            load()
+    outside.untouched()
+
+
+def test_a_plain_dcp_relative_path_that_climbs_is_refused(tmp_path):
+    # DCP's FileSystemReader joins `relative_path` to the folder and reads it.
+    outside = Outside(tmp_path)
+    folder = plain_checkpoint(tmp_path / "run")
+    climb = os.path.relpath(outside.secret, folder)
+
+    def climb_all(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = climb
+
+    rewrite_metadata(folder, climb_all)
+    with pytest.raises(CheckpointError, match=r"\.metadata' names the file .*, which is a path"):
+        load_for_inference(str(folder))
+    outside.untouched()
+
+
+def test_sizes_in_metadata_are_checked_against_the_stored_bytes(tmp_path):
+    folder = Path(make_checkpoint(tmp_path / "run"))
+
+    def bigger_item(metadata):  # a chunk's own description claims more elements than its bytes hold
+        info = next(i for i in metadata.storage_data.values() if i["kind"] == "tensor" and i["shape"])
+        info["shape"] = [info["shape"][0] * 1000, *info["shape"][1:]]
+
+    rewrite_metadata(folder, bigger_item)
+    with pytest.raises(CheckpointError, match=r"tensor of shape .* but it holds \d+ bytes"):
+        load_for_inference(str(folder))
+
+    folder = Path(make_checkpoint(tmp_path / "run2"))
+
+    def huge_tensor(metadata):  # export allocates every model tensor from its declared size: 4 TiB here
+        md = next(m for k, m in metadata.state_dict_metadata.items() if k.startswith("model."))
+        md.size = torch.Size([2**20, 2**20])
+
+    rewrite_metadata(folder, huge_tensor)
+    with pytest.raises(CheckpointError, match=r"declares tensor 'model\..*' of shape \(1048576, 1048576\) "
+                                              r"\(4398046511104 bytes\), more than the \d+ bytes stored for it"):
+        consolidated_model(str(folder))

@@ -17,6 +17,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from cs3ray.names import check_name
+
+from .errors import CacheError
 from .locking import file_lock
 from .policy import Entry, EvictionPolicy
 
@@ -41,11 +44,13 @@ class DiskTier:
         self._verified: dict[str, tuple[int, int, int]] = {}
 
     def path(self, ns: str, name: str) -> str:
-        return os.path.join(self.root, ns, name)
+        # `name` comes from a manifest: a path there (os.path.join drops the root before "/x") must not escape.
+        return os.path.join(self.root, check_name(ns, "the L2 cache", CacheError),
+                            check_name(name, "the shard set's manifest", CacheError))
 
     def key_lock(self, ns: str, name: str) -> str:
         """Lock file that serialises fetching one shard into the cache (one fetch per node)."""
-        return os.path.join(self.root, ns, ".locks", name + ".lock")
+        return os.path.join(os.path.dirname(self.path(ns, name)), ".locks", name + ".lock")
 
     def read(self, ns: str, name: str, check) -> bytes | None:
         """The cached bytes if present and `check(bytes)` passes; a failing file is removed."""

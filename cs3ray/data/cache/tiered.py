@@ -16,8 +16,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
+from cs3ray.names import check_name
 from cs3ray.storage import Storage, open_url
 
+from ..shards import check_rows
 from .disk import DiskTier
 from .errors import CacheError
 from .locking import file_lock
@@ -42,7 +44,8 @@ class TieredCache:
                  disk_bytes: int = 20 * 2**30, disk_dir: str | None = DEFAULT_DISK_DIR,
                  policy: str = "noevict", l1_policy: str | None = None, prefetch_threads: int = 4,
                  retry_deadline_s: float = 60.0) -> None:
-        self.entries = {e["file"]: e for e in entries}
+        # The names come from the shard set's manifest: each must be a file name before it is joined to a path.
+        self.entries = {check_name(e["file"], f"the manifest of '{source.url}'", CacheError): e for e in entries}
         self.remote = RemoteTier(source, retry_deadline_s)
         self.ns = namespace(source.url)
         self.stats = CacheStats()
@@ -104,6 +107,7 @@ class TieredCache:
             data = self.remote.read(name, on_retry=lambda exc: self.stats.add(l3_retries=1))
             self.stats.add(l3_reads=1, l3_bytes=len(data))
             if _matches(data, entry):
+                check_rows(data, entry, self.remote.url(name))
                 return data
         raise CacheError(f"shard '{self.remote.url(name)}' does not match its checksum in the manifest "
                          "(the shard set is corrupt; prepare it again).")
