@@ -319,6 +319,9 @@ class ServeConfig(Section):
     stream_interval_ms: float = Field(
         10.0, ge=0, description="Streamed text goes out at most this often per request (tokens in between share an "
                                 "event): each event costs the proxy more than a decode step of a small model.")
+    tls_cert: str | None = Field(None, description="PEM certificate (chain) file: serve HTTPS on every route with it and "
+                                                   "tls_key (read where Serve's proxy runs; Serve's own proxy, not HAProxy).")
+    tls_key: str | None = Field(None, description="PEM private key file of tls_cert (keep it 0600).")
 
 
 class JobConfig(Section):
