@@ -344,3 +344,382 @@ def test_images_named_are_the_ones_deploy_builds():
     images = {c["image"] for kind in KINDS for c in ray_containers(kind)}
     assert images <= {f"cs3ray:{version}-cpu", f"cs3ray:{version}-cuda"}
     assert compose()["x-node"]["image"].startswith(f"cs3ray:{version}-")
+
+
+# --- Security: Pod Security Standard "restricted", RBAC, NetworkPolicy -------------------------
+
+RBAC = DEPLOY / "kuberay" / "rbac.yaml"
+# The in-tree autoscaler's grants (KubeRay v1.7's BuildRole): the most any Ray pod may ever need.
+AUTOSCALER_RULES = {("", "pods"): {"get", "list", "watch", "patch"}, ("", "pods/resize"): {"patch"},
+                    ("ray.io", "rayclusters"): {"get", "patch"}}
+# Kubernetes' Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards).
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+
+def restricted_violations(spec: dict, annotations: dict | None = None) -> list[str]:
+    """What in a pod spec breaks the "restricted" Pod Security Standard (which includes "baseline");
+    empty when the pod would be admitted by a namespace enforcing it."""
+    out = []
+    pod = spec.get("securityContext") or {}
+    containers = [*spec.get("initContainers", []), *spec.get("containers", []), *spec.get("ephemeralContainers", [])]
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field):
+            out.append(f"pod: {field}")
+    for volume in spec.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {volume['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    for sysctl in pod.get("sysctls", []):
+        if sysctl["name"] not in SAFE_SYSCTLS:
+            out.append(f"pod: sysctl {sysctl['name']}")
+    for key, value in (annotations or {}).items():
+        if key.startswith("container.apparmor.security.beta.kubernetes.io/") and not (
+                value == "runtime/default" or value.startswith("localhost/")):
+            out.append(f"annotation {key}: {value}")
+    contexts = [("pod", pod)] + [(f"container {c['name']}", c.get("securityContext") or {}) for c in containers]
+    for where, ctx in contexts:
+        if ctx.get("windowsOptions", {}).get("hostProcess"):
+            out.append(f"{where}: hostProcess")
+        if (ctx.get("appArmorProfile") or {}).get("type", "RuntimeDefault") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: appArmorProfile {ctx['appArmorProfile']['type']}")
+        selinux = ctx.get("seLinuxOptions") or {}
+        if selinux.get("type", "") not in SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
+            out.append(f"{where}: seLinuxOptions {selinux}")
+        if ctx.get("runAsUser") == 0:
+            out.append(f"{where}: runAsUser 0")
+        if ctx.get("runAsNonRoot") is False:
+            out.append(f"{where}: runAsNonRoot false")
+        seccomp = (ctx.get("seccompProfile") or {}).get("type")
+        if seccomp not in (None, "RuntimeDefault", "Localhost"):
+            out.append(f"{where}: seccompProfile {seccomp}")
+    for container in containers:
+        where, ctx = f"container {container['name']}", container.get("securityContext") or {}
+        if ctx.get("privileged"):
+            out.append(f"{where}: privileged")
+        if ctx.get("procMount", "Default") != "Default":
+            out.append(f"{where}: procMount {ctx['procMount']}")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation is not false")
+        if not (pod.get("runAsNonRoot") is True or ctx.get("runAsNonRoot") is True):
+            out.append(f"{where}: runAsNonRoot is not true")
+        if not ((pod.get("seccompProfile") or {}).get("type") or (ctx.get("seccompProfile") or {}).get("type")):
+            out.append(f"{where}: no seccompProfile")
+        capabilities = ctx.get("capabilities") or {}
+        if "ALL" not in capabilities.get("drop", []):
+            out.append(f"{where}: capabilities do not drop ALL")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: adds capabilities {capabilities['add']}")
+        for port in container.get("ports", []):
+            if port.get("hostPort"):
+                out.append(f"{where}: hostPort {port['hostPort']}")
+    return out
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def kuberay_pods(kind: str) -> list[tuple[str, dict, dict]]:
+    """(name, labels, pod template) of every pod KubeRay v1.7 starts for a manifest, with what it adds
+    that matters here: its labels, the worker's `wait-gcs-ready` init container (which copies the Ray
+    container's securityContext), the autoscaler sidecar if enabled, and a RayJob's submitter pod."""
+    spec, obj = cluster_spec(kind), MANIFESTS[kind][1]
+    pods = []
+    for node, group in [("head", spec["headGroupSpec"]), *(("worker", g) for g in spec.get("workerGroupSpecs", []))]:
+        template = copy.deepcopy(group["template"])
+        labels = {"ray.io/is-ray-node": "yes", "ray.io/cluster": f"{obj['metadata']['name']}-xyz",
+                  "app.kubernetes.io/name": "kuberay", "app.kubernetes.io/created-by": "kuberay-operator",
+                  **template.get("metadata", {}).get("labels", {}),
+                  "ray.io/node-type": node, "ray.io/group": group.get("groupName", "headgroup")}
+        pod = template["spec"]
+        ray_container = pod["containers"][0]
+        if node == "worker":
+            pod.setdefault("initContainers", []).append(
+                {"name": "wait-gcs-ready", "image": ray_container["image"],
+                 "securityContext": copy.deepcopy(ray_container.get("securityContext"))})
+        elif spec.get("enableInTreeAutoscaling"):
+            pod["containers"].append({"name": "autoscaler", "image": ray_container["image"],
+                                      "securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")})
+        pods.append((f"{node} {group.get('groupName', '')}".strip(), labels, template))
+    if kind == "RayJob" and obj["spec"].get("submissionMode", "K8sJobMode") == "K8sJobMode":
+        head_image = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+        template = copy.deepcopy(obj["spec"].get("submitterPodTemplate") or {  # KubeRay's default
+            "spec": {"containers": [{"name": "ray-job-submitter", "image": head_image}], "restartPolicy": "Never"}})
+        labels = {**template.get("metadata", {}).get("labels", {}), "app.kubernetes.io/created-by": "kuberay-operator",
+                  "ray.io/originated-from-cr-name": obj["metadata"]["name"], "ray.io/originated-from-crd": "RayJob"}
+        pods.append(("submitter", labels, template))
+    return pods
+
+
+def image_user() -> tuple[int, int]:
+    """The image's (uid, gid): its USER, which must be numeric for Kubernetes' runAsNonRoot to check it."""
+    user = [rest for word, rest in dockerfile() if word == "USER"][-1]
+    assert re.fullmatch(r"\d+:\d+", user), f"USER {user} is not numeric uid:gid"
+    uid, gid = map(int, user.split(":"))
+    text = " ".join(rest for word, rest in dockerfile() if word == "RUN")
+    assert f"groupadd --gid {gid} ray" in text and f"useradd --uid {uid} --gid {gid}" in text
+    return uid, gid
+
+
+def test_the_restricted_checker_catches_each_rule():
+    good = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+            "volumes": [{"name": "shm", "emptyDir": {}}, {"name": "tok", "secret": {"secretName": "x"}}],
+            "containers": [{"name": "c", "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}]}
+    assert restricted_violations(good) == []
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(good)
+        change(bad, bad["containers"][0]["securityContext"])
+        return restricted_violations(bad)
+
+    for change, found in [
+        (lambda p, c: p["securityContext"].pop("runAsNonRoot"), "runAsNonRoot is not true"),
+        (lambda p, c: c.update(runAsNonRoot=False), "runAsNonRoot false"),
+        (lambda p, c: c.update(runAsUser=0), "runAsUser 0"),
+        (lambda p, c: p["securityContext"].pop("seccompProfile"), "no seccompProfile"),
+        (lambda p, c: c.update(seccompProfile={"type": "Unconfined"}), "seccompProfile Unconfined"),
+        (lambda p, c: c.pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
+        (lambda p, c: c["capabilities"].update(drop=["NET_RAW"]), "do not drop ALL"),
+        (lambda p, c: c["capabilities"].update(add=["SYS_ADMIN"]), "adds capabilities"),
+        (lambda p, c: c.update(privileged=True), "privileged"),
+        (lambda p, c: p.update(hostNetwork=True), "hostNetwork"),
+        (lambda p, c: p.update(hostPID=True), "hostPID"),
+        (lambda p, c: p.update(hostIPC=True), "hostIPC"),
+        (lambda p, c: p["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
+        (lambda p, c: p["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}), "nfs"),
+        (lambda p, c: p["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}]), "hostPort 80"),
+        (lambda p, c: c.update(procMount="Unmasked"), "procMount"),
+        (lambda p, c: c.update(seLinuxOptions={"user": "root"}), "seLinuxOptions"),
+        (lambda p, c: c.update(appArmorProfile={"type": "Unconfined"}), "appArmorProfile"),
+        (lambda p, c: p["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]), "sysctl"),
+        (lambda p, c: p.update(initContainers=[{"name": "init"}]), "container init: allowPrivilegeEscalation"),
+    ]:
+        assert any(found in v for v in broken(change)), found
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_pod_meets_the_restricted_pod_security_standard(kind):
+    """Every pod KubeRay starts for a manifest, init containers, sidecars and a RayJob's submitter
+    included, would be admitted by a namespace labelled pod-security.kubernetes.io/enforce=restricted,
+    as the image's user."""
+    uid, gid = image_user()
+    for name, _, template in kuberay_pods(kind):
+        pod = template["spec"]
+        assert restricted_violations(pod, template.get("metadata", {}).get("annotations")) == [], (kind, name)
+        assert pod["securityContext"]["runAsUser"] == uid and pod["securityContext"]["runAsGroup"] == gid, (kind, name)
+
+
+def test_compose_containers_drop_privileges():
+    for name, service in compose()["services"].items():
+        assert service["cap_drop"] == ["ALL"] and "no-new-privileges:true" in service["security_opt"], name
+        assert not service.get("privileged") and "network_mode" not in service and "pid" not in service, name
+        assert service.get("user") in (None, "{}:{}".format(*image_user())), name
+
+
+def rbac() -> dict[str, dict]:
+    """deploy/kuberay/rbac.yaml's objects by kind."""
+    objs = documents(RBAC)
+    by_kind = {obj["kind"]: obj for obj in objs}
+    assert len(by_kind) == len(objs) and set(by_kind) == {"ServiceAccount", "Role", "RoleBinding"}
+    return by_kind
+
+
+def test_pods_run_as_a_service_account_with_the_least_privilege():
+    objs = rbac()
+    account, role, binding = objs["ServiceAccount"], objs["Role"], objs["RoleBinding"]
+    assert account["apiVersion"] == "v1"
+    assert role["apiVersion"] == binding["apiVersion"] == "rbac.authorization.k8s.io/v1"
+    # The binding gives the Role to the account, in the namespace the objects are applied to.
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    for obj in objs.values():
+        assert "namespace" not in obj["metadata"]
+    # No wildcard, nothing beyond the autoscaler's grants, and those only where it runs: no manifest
+    # enables it, so the Role grants nothing and no pod gets a token.
+    autoscaling = any(cluster_spec(kind).get("enableInTreeAutoscaling") for kind in KINDS)
+    for rule in role.get("rules") or []:
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= AUTOSCALER_RULES.get((group, resource), set()), rule
+    assert autoscaling or not role.get("rules")
+    assert account["automountServiceAccountToken"] is autoscaling
+    for kind in KINDS:
+        for name, _, template in kuberay_pods(kind):
+            assert template["spec"].get("serviceAccountName") == account["metadata"]["name"], (kind, name)
+            assert template["spec"].get("automountServiceAccountToken", autoscaling) is autoscaling, (kind, name)
+
+
+@functools.cache
+def network_policy_validator() -> jsonschema.Draft4Validator:
+    """A strict schema of a NetworkPolicy (the fields used here), its rules and selectors taken from
+    KubeRay's CRD, whose spec.networkPolicy rules are Kubernetes' own NetworkPolicyIngressRule."""
+    crd = json.loads((SCHEMAS / "raycluster.schema.json").read_text())
+    head_rules = crd["properties"]["spec"]["properties"]["networkPolicy"]["properties"]["head"]
+    rule = head_rules["properties"]["ingressRules"]["items"]
+    selector = rule["properties"]["from"]["items"]["properties"]["podSelector"]
+    labels = {"type": "object", "additionalProperties": {"type": "string"}}
+    schema = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
+        "apiVersion": {"enum": ["networking.k8s.io/v1"]}, "kind": {"enum": ["NetworkPolicy"]},
+        "metadata": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}, "labels": labels}},
+        "spec": {"type": "object", "required": ["podSelector"], "properties": {
+            "podSelector": selector,
+            "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+            "ingress": {"type": "array", "items": rule}}}}}
+    return jsonschema.Draft4Validator(strict(schema))
+
+
+def network_policy(kind: str) -> dict:
+    """The NetworkPolicy in a manifest's file (the one file applies both)."""
+    (policy,) = [doc for doc in documents(MANIFESTS[kind][0]) if doc["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def selects(selector: dict | None, labels: dict) -> bool:
+    """Whether a Kubernetes label selector matches `labels` (an empty selector matches everything)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value, present = labels.get(e["key"]), e["key"] in labels
+        ok = {"In": present and value in e.get("values", []), "NotIn": not (present and value in e.get("values", [])),
+              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def admitted(policies: list[dict], target: dict, source: dict | None, port: int, port_names: dict[str, int]) -> bool:
+    """Whether NetworkPolicies (all in one namespace, NAMESPACE) let `source` (a pod: namespace,
+    namespace labels, labels; None: an address outside the cluster) connect to `target`'s TCP `port`."""
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], target)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True  # a pod no policy selects for ingress is open to all
+
+    def peer_matches(peer: dict) -> bool:
+        if "ipBlock" in peer:
+            return True  # an address range: pod and outside addresses alike, take it as admitting anyone
+        if source is None:
+            return False
+        if "namespaceSelector" in peer:
+            if not selects(peer["namespaceSelector"], source["namespace_labels"]):
+                return False
+        elif source["namespace"] != NAMESPACE:
+            return False
+        return "podSelector" not in peer or selects(peer["podSelector"], source["labels"])
+
+    def port_matches(entry: dict) -> bool:
+        if entry.get("protocol", "TCP") != "TCP":
+            return False
+        if "port" not in entry:
+            return True
+        wanted = port_names.get(entry["port"], entry["port"])
+        return wanted == port or (isinstance(wanted, int) and wanted <= port <= entry.get("endPort", wanted))
+
+    return any((not rule.get("from") or any(map(peer_matches, rule["from"])))
+               and (not rule.get("ports") or any(map(port_matches, rule["ports"])))
+               for p in selecting for rule in p["spec"].get("ingress") or [])
+
+
+NAMESPACE = "ml"  # where the manifests are applied (any namespace: nothing in them names one)
+GCS, DASHBOARD, CLIENT, SERVE, METRICS = 6379, 8265, 10001, 8000, 8080
+
+
+def pod_in(namespace: str, labels: dict[str, str]) -> dict:
+    return {"namespace": namespace, "namespace_labels": {"kubernetes.io/metadata.name": namespace}, "labels": labels}
+
+
+# The peers deploy/README.md lists ("Security"), as KubeRay's Helm chart, ingress-nginx and
+# kube-prometheus-stack label their pods, and the ports each may reach.
+OPERATOR = pod_in("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator",
+                                     "app.kubernetes.io/instance": "kuberay-operator"})
+INGRESS = pod_in("ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx",
+                                   "app.kubernetes.io/component": "controller"})
+PROMETHEUS = pod_in("monitoring", {"app.kubernetes.io/name": "prometheus",
+                                   "prometheus": "kube-prometheus-stack-prometheus"})
+
+
+def check_network_policy(kind: str, policy: dict) -> list[str]:
+    """Where a manifest's NetworkPolicy lets the wrong peer reach a Ray port of one of its pods, or
+    keeps a needed peer out."""
+    pods = kuberay_pods(kind)
+    head = pods[0][2]["spec"]["containers"][0]
+    port_names = {p["name"]: p["containerPort"] for p in head.get("ports", []) if "name" in p}
+    exposed = {p["containerPort"] for _, _, t in pods for c in t["spec"]["containers"] for p in c.get("ports", [])}
+    protected = [port for port in (GCS, DASHBOARD, CLIENT, SERVE) if port in exposed]
+    name = MANIFESTS[kind][1]["metadata"]["name"]
+    ray_pods = [(n, labels) for n, labels, _ in pods if labels.get("ray.io/is-ray-node") == "yes"]
+    submitters = [(n, pod_in(NAMESPACE, labels)) for n, labels, _ in pods if n == "submitter"]
+    serves = SERVE in exposed
+    # (source, the ports it must reach); every other protected port must refuse it.
+    peers = [(f"own {n}", pod_in(NAMESPACE, labels), set(protected)) for n, labels in ray_pods]
+    peers += [("operator", OPERATOR, {DASHBOARD}), ("ingress", INGRESS, {SERVE} if serves else set()),
+              ("prometheus", PROMETHEUS, set())]
+    peers += [(n, src, {DASHBOARD}) for n, src in submitters]
+    strangers = [
+        ("a pod of another cs3ray cluster",
+         pod_in(NAMESPACE, {**ray_pods[0][1], "app.kubernetes.io/instance": "other"})),
+        ("a pod of the namespace", pod_in(NAMESPACE, {"app": "web"})),
+        ("a pod with the instance label, not a Ray node", pod_in(NAMESPACE, {"app.kubernetes.io/instance": name})),
+        ("the operator's labels in another namespace", pod_in("default", OPERATOR["labels"])),
+        ("the ingress's labels in another namespace", pod_in("default", INGRESS["labels"])),
+        ("a pod of another namespace", pod_in("default", {"app": "web"})),
+        ("an address outside the cluster", None),
+    ]
+    out = []
+    for target_name, target in ray_pods:
+        for source_name, source, wanted in peers + [(s, src, set()) for s, src in strangers]:
+            for port in protected:
+                if admitted([policy], target, source, port, port_names) != (port in wanted):
+                    verb = "cannot reach" if port in wanted else "reaches"
+                    out.append(f"{source_name} {verb} {port} of {target_name}")
+        # Metrics: Prometheus and the cluster's own pods only.
+        if METRICS in exposed and not admitted([policy], target, PROMETHEUS, METRICS, port_names):
+            out.append(f"prometheus cannot reach {METRICS} of {target_name}")
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_network_policy_admits_ray_ports_only_from_the_listed_peers(kind):
+    """The GCS, dashboard, client and Serve ports of every Ray pod answer the cluster's own pods and,
+    each on its port, the KubeRay operator (dashboard), the RayJob's submitter (dashboard) and the
+    ingress controller (Serve); nobody else."""
+    policy = network_policy(kind)
+    assert [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in network_policy_validator().iter_errors(policy)] == []
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    assert check_network_policy(kind, policy) == []
+
+
+def test_a_broken_network_policy_is_caught():
+    """The check is real: an open rule, a peer from every namespace, a policy that misses the pods,
+    and a missing operator rule each show."""
+    policy = network_policy("RayService")
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(policy)
+        change(bad["spec"])
+        return check_network_policy("RayService", bad)
+
+    assert any("reaches 6379" in e for e in broken(lambda s: s["ingress"].append({"ports": [{"port": GCS}]})))
+    any_namespace = {"namespaceSelector": {}, "podSelector": {"matchLabels": INGRESS["labels"]}}
+    assert any("ingress's labels in another namespace reaches 8000" in e for e in broken(
+        lambda s: s["ingress"].append({"from": [any_namespace], "ports": [{"port": "serve"}]})))
+    assert any("outside the cluster reaches 8265" in e for e in broken(
+        lambda s: s["ingress"].append({"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": DASHBOARD}]})))
+    assert any("another cs3ray cluster reaches" in e for e in broken(
+        lambda s: s.update(podSelector={"matchLabels": {"app.kubernetes.io/instance": "other"}})))
+    dashboard_only = [{"port": DASHBOARD, "protocol": "TCP"}]
+    assert any("operator cannot reach 8265" in e for e in broken(
+        lambda s: s.update(ingress=[r for r in s["ingress"] if r.get("ports") != dashboard_only])))
