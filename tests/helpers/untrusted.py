@@ -62,6 +62,10 @@ def write_target_module(folder: Path) -> tuple[str, Path]:
 
 
 SECRET = "a file outside every folder under test\n"
+# The fields of a tiny Llama's config.json: enough for the Hugging Face importer to reach the index.
+HF_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300,
+             "max_position_embeddings": 64}
 
 
 class Outside:

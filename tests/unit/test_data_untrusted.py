@@ -20,13 +20,9 @@ from cs3ray.models.hf_llama import HFModelError
 from cs3ray.storage import open_url
 
 from helpers.shard_sets import make_shard_set
-from helpers.untrusted import Outside
+from helpers.untrusted import HF_CONFIG, Outside
 
 NAMES = ["climbing", "absolute", "climbing-inside", "backslash", "nul", "empty"]
-# The fields of a tiny Llama's config.json: enough for the importer to reach the index.
-HF_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300,
-             "max_position_embeddings": 64}
 
 
 @pytest.fixture(scope="module")
