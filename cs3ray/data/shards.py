@@ -28,6 +28,10 @@ MANIFEST = "manifest.json"
 TOKEN_COLUMN = "tokens"
 
 
+class ForgedManifest(DataError):
+    """A shard manifest names a path where a file name belongs: refused, never prepared over."""
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """Everything that decides the shard contents (and so the cache key)."""
@@ -171,7 +175,7 @@ def _check_entry(entry: object, source: str) -> None:
     """One shard of a manifest: a file name in the set's folder (never a path), counts and a sha256."""
     if not isinstance(entry, dict):
         raise DataError(f"{source} is corrupt (a shard entry is a {type(entry).__name__}).")
-    name = check_name(entry.get("file"), source, DataError)
+    name = check_name(entry.get("file"), source, ForgedManifest)
     if not _count(entry.get("samples")) or not _count(entry.get("bytes")) or not isinstance(entry.get("sha256"), str):
         raise DataError(f"{source} is corrupt (shard '{name}' lacks its sample count, byte size or sha256).")
 
@@ -228,6 +232,8 @@ def ensure_shards(source: str, cache_dir: str, spec: ShardSpec, fmt: str = "auto
     dest = open_url(cache_dir, options).child(spec.key(corpus, tok))
     try:
         manifest = read_manifest(dest)
+    except ForgedManifest:
+        raise  # someone wrote it: the user looks at it, rather than cs3ray deleting it to prepare again
     except DataError:
         pass
     else:

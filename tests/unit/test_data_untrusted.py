@@ -14,7 +14,7 @@ from cs3ray.data.cache import CacheError, TieredCache, warm_node
 from cs3ray.data.cache.disk import DiskTier
 from cs3ray.data.cache.policy import NoEvict
 from cs3ray.data.corpus import DataError
-from cs3ray.data.shards import MANIFEST, read_manifest, read_split
+from cs3ray.data.shards import MANIFEST, ShardSpec, ensure_shards, read_manifest, read_split
 from cs3ray.errors import UserError
 from cs3ray.models.hf_llama import HFModelError
 from cs3ray.storage import open_url
@@ -64,6 +64,23 @@ def test_a_shard_manifest_naming_a_path_is_refused(shard_set, tmp_path, kind):
         DiskTier(str(tmp_path / "l2"), 2**20, NoEvict()).path("ns", name)
     outside.untouched()
     assert not [f for _, _, files in os.walk(tmp_path / "l2") for f in files if not f.startswith(".")]
+
+
+def test_a_forged_shard_set_in_the_cache_is_refused_not_prepared_over(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text("".join(f"line {i} of a small corpus\n" for i in range(200)))
+    spec = ShardSpec(seq_len=8, samples_per_shard=16, val_fraction=0.1, max_bytes=10**6, seed=0)
+    dest, _ = ensure_shards(str(src), str(tmp_path / "cache"), spec)
+    outside = Outside(tmp_path)
+    folder = tmp_path / "cache" / dest.url.rsplit("/", 1)[-1]
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["splits"]["train"][0]["file"] = outside.names(folder)["climbing"]
+    forged = json.dumps(manifest)
+    (folder / MANIFEST).write_text(forged)
+    with pytest.raises(DataError, match=r"manifest.json' names the file '\.\./\.\./outside/secret'"):
+        ensure_shards(str(src), str(tmp_path / "cache"), spec)
+    assert (folder / MANIFEST).read_text() == forged  # left for the user to look at, not deleted and rebuilt
+    outside.untouched()
 
 
 def test_a_claimed_sample_count_is_checked_against_the_shard(shard_set, tmp_path):
