@@ -6,13 +6,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
 
 from cs3ray.config import runtime_storage_options
 from cs3ray.errors import UserError
-from cs3ray.serve.deploy import make_spec
+from cs3ray.ops.cluster_env import HAPROXY_SWITCH, haproxy_binary
+from cs3ray.ops.cluster_record import recorded_cluster
+from cs3ray.serve.deploy import make_spec, pick_token
 from cs3ray.serve.launch import delete_app, run_app
 
 from .common import (
@@ -37,7 +40,17 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for every interface)."),
           replicas: Optional[int] = typer.Option(None, min=1, help="Replicas (default: serve.replicas of the config)."),
           token: Optional[str] = typer.Option(None, envvar="CS3_SERVE_TOKEN", show_envvar=True,
-                                              help="Require 'Authorization: Bearer TOKEN' on the API."),
+                                              help="Require 'Authorization: Bearer TOKEN' on the API. An argument "
+                                                   "shows in `ps` to every user of the machine: for local use; "
+                                                   "else --token-file or CS3_SERVE_TOKEN."),
+          token_file: Optional[str] = typer.Option(None, "--token-file", help="Read the API token from this file "
+                                                                                "(e.g. a mounted secret)."),
+          tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Serve HTTPS with this PEM certificate "
+                                                                          "(chain); needs --tls-key."),
+          tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+          haproxy: bool = typer.Option(False, "--haproxy", help="Own cluster: Serve's HAProxy ingress in place of its "
+                                                                "Python proxy (faster streaming; no TLS, stats and "
+                                                                "metrics ports on every interface)."),
           insecure: bool = typer.Option(False, "--insecure", help="Serve an open API (no token) on a non-loopback "
                                                                   "--host: anyone who reaches it can use it."),
           trust_code: bool = typer.Option(False, "--trust-code", help="Import and run the model.target code the "
@@ -54,8 +67,12 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
     if run == STOP:
         stop_app(name, address)
         return
-    spec = make_spec(run, name=name, token=token, follow=follow, host=host, insecure=insecure, trust_code=trust_code,
-                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch},
+    if haproxy:
+        use_haproxy(address)
+    spec = make_spec(run, name=name, token=pick_token(token, token_file), follow=follow, host=host,
+                     insecure=insecure, trust_code=trust_code,
+                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch,
+                                "tls_cert": tls_cert, "tls_key": tls_key},
                      storage_options=runtime_storage_options(storage or [], storage_options),
                      ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas)
 
@@ -69,6 +86,16 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
                       f"`cs3 serve stop --name {spec.name} --address {served.address}`", highlight=False, soft_wrap=True)
         return
     console.print("stopped", highlight=False)
+
+
+def use_haproxy(address: Optional[str]) -> None:
+    """--haproxy: the embedded cluster runs Serve's HAProxy ingress (a running cluster has its own)."""
+    if address or os.environ.get("RAY_ADDRESS") or recorded_cluster() is not None:
+        raise UserError("--haproxy is for the cluster cs3 serve starts; a running cluster's ingress is set where it "
+                        "starts (RAY_SERVE_ENABLE_HA_PROXY=1 on every node).")
+    if haproxy_binary() is None:
+        raise UserError("--haproxy needs an HAProxy binary: install ray[serve] (it bundles one on Linux) or haproxy.")
+    os.environ[HAPROXY_SWITCH] = "1"
 
 
 def stop_app(name: Optional[str], address: Optional[str]) -> None:

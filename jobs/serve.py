@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cs3ray.config import runtime_storage_options  # noqa: E402
 from cs3ray.errors import UserError  # noqa: E402
-from cs3ray.serve.deploy import make_spec  # noqa: E402
+from cs3ray.serve.deploy import make_spec, pick_token  # noqa: E402
 from cs3ray.serve.launch import run_app  # noqa: E402
 
 
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     # The environment variable keeps the token out of the job's entrypoint, which Ray shows and logs.
     parser.add_argument("--token", default=os.environ.get("CS3_SERVE_TOKEN"),
                         help="require 'Authorization: Bearer TOKEN' on the API (default: $CS3_SERVE_TOKEN)")
+    parser.add_argument("--token-file", default=None, help="read the API token from this file (a mounted secret)")
+    parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--insecure", action="store_true",
                         help="serve an open API (no token) on a non-loopback --host: anyone who reaches it can use it")
     parser.add_argument("--trust-code", action="store_true",
@@ -44,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also fall back to the checkpoint.replicas the run's stored config lists")
     args = parser.parse_intermixed_args(argv)  # storage options may come after other options
     try:
-        spec = make_spec(args.run, name=args.name, token=args.token, follow=args.follow, host=args.host,
-                         insecure=args.insecure, trust_code=args.trust_code,
-                         overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
+        spec = make_spec(args.run, name=args.name, token=pick_token(args.token, args.token_file), follow=args.follow,
+                         host=args.host, insecure=args.insecure, trust_code=args.trust_code,
+                         overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
+                                    "tls_cert": args.tls_cert, "tls_key": args.tls_key},
                          storage_options=runtime_storage_options(args.storage, args.storage_options),
                          ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas)
         run_app(spec, args.host, args.port, address=os.environ.get("RAY_ADDRESS", "auto"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import ssl
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import yaml
@@ -16,6 +18,7 @@ from cs3ray.ckpt.manifest import MANIFEST
 from cs3ray.config import resolve_run, stored_config
 from cs3ray.errors import UserError
 from cs3ray.models.factory import require_trust
+from cs3ray.ops.cluster_env import HAPROXY_SWITCH
 from cs3ray.storage import is_remote, open_url
 
 from .spec import ServeSpec
@@ -36,7 +39,43 @@ def check_exposure(host: str, token: str | None, insecure: bool = False) -> None
     """Refuse an API without a token on an interface other machines reach, unless the user said --insecure."""
     if token is None and not insecure and not is_loopback(host):
         raise UserError(f"refusing to serve an API without a token on {host}, which is not a loopback interface: "
-                        "set --token or CS3_SERVE_TOKEN, or pass --insecure to serve it open.")
+                        "set --token-file or CS3_SERVE_TOKEN, or pass --insecure to serve it open.")
+
+
+def read_token_file(path: str) -> str:
+    """The API token kept in the file at `path` (surrounding whitespace dropped): it stays out of `ps`."""
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read the token file '{path}': {getattr(exc, 'strerror', None) or exc}.") from None
+    if not token:
+        raise UserError(f"the token file '{path}' is empty; write the token into it.")
+    return token
+
+
+def pick_token(token: str | None, token_file: str | None) -> str | None:
+    """The API token from --token / CS3_SERVE_TOKEN or --token-file (never both)."""
+    if token is not None and token_file is not None:
+        raise UserError("--token-file and --token (or CS3_SERVE_TOKEN) both give a token; keep one of them.")
+    return read_token_file(token_file) if token_file is not None else token
+
+
+def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
+    """Absolute paths of a certificate and key that belong together, or None for plain HTTP."""
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise UserError("TLS needs both --tls-cert and --tls-key (serve.tls_cert and serve.tls_key).")
+    cert, key = os.path.abspath(os.path.expanduser(cert)), os.path.abspath(os.path.expanduser(key))
+    for path in (cert, key):
+        if not os.path.isfile(path):
+            raise UserError(f"TLS file '{path}' does not exist.")
+    try:  # here, not as a proxy that never starts
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"cannot use TLS certificate '{cert}' with key '{key}': {reason}.") from None
+    return cert, key
 
 
 def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
@@ -64,6 +103,8 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     except ValidationError as exc:
         err = exc.errors()[0]
         raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if (tls := check_tls(serve_cfg.tls_cert, serve_cfg.tls_key)) is not None:
+        serve_cfg = serve_cfg.model_copy(update={"tls_cert": tls[0], "tls_key": tls[1]})  # the proxy's cwd differs
     name = name or cfg.run.name
     return ServeSpec(run=url, name=name, serve=serve_cfg, token=token, follow=follow,
                      storage_options=storage_options, route_prefix=route_prefix, insecure=insecure,
@@ -78,6 +119,8 @@ def build_app(spec: ServeSpec):
     options: dict[str, Any] = {"ray_actor_options": replica_actor_options({"num_cpus": s.num_cpus,
                                                                             "num_gpus": s.num_gpus}),
                                "max_ongoing_requests": s.max_ongoing_requests,
+                               # Bounded: past it Serve answers 503 at once (its default queues forever).
+                               "max_queued_requests": s.max_queued_requests,
                                # A stream in flight finishes before its replica is retired.
                                "graceful_shutdown_timeout_s": s.request_timeout_s}
     if s.min_replicas is not None and s.max_replicas is not None:
@@ -92,19 +135,56 @@ def build_app(spec: ServeSpec):
     return LLMServer.options(name=f"{spec.name}-llm", **options).bind(spec)
 
 
+def bound_http():
+    """The HTTP options Serve's proxies run with on the connected cluster (not those last asked for)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config
+
+
+def check_bound(spec: ServeSpec, bound, port: int) -> str:
+    """Refuse to deploy behind a proxy that listens wider, or with less TLS, than `spec` allows; its base URL."""
+    host = bound.host
+    if host is None:
+        raise UserError("Serve on this cluster runs without an HTTP proxy (http_options.host is None).")
+    started = "Serve on this cluster was started with these HTTP options, and a running Serve keeps its own"
+    if spec.token is None and not spec.insecure and not is_loopback(host):
+        raise UserError(f"refusing to deploy an API without a token: {started}, so it listens on {host}:{bound.port}, "
+                        "not a loopback interface; set --token-file or CS3_SERVE_TOKEN (or --insecure to serve it open).")
+    tls = bool(bound.ssl_certfile and bound.ssl_keyfile)
+    if spec.serve.tls_cert and not tls:
+        raise UserError(f"refusing to deploy without TLS: {started}, and they have no ssl_certfile/ssl_keyfile.")
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    return f"{'https' if tls else 'http'}://{shown}:{bound.port}{spec.route_prefix.rstrip('/')}"
+
+
 def deploy(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
-    """Start Serve's HTTP proxy (if needed) and run the app; returns its base URL once healthy."""
+    """Start Serve's HTTP proxy (if needed) and run the app; returns its base URL once healthy.
+
+    A cluster where Serve already runs keeps its proxies' HTTP options, whatever was asked: the
+    exposure is checked on those, before anything is deployed."""
     from ray import serve
 
     check_exposure(host, spec.token, spec.insecure)  # also for callers that built the spec themselves
-    serve.start(http_options={"host": host, "port": port})
+    http_options: dict[str, Any] = {"host": host, "port": port}
+    if spec.serve.tls_cert:
+        if os.environ.get(HAPROXY_SWITCH) == "1":
+            raise UserError("TLS is served by Serve's own proxy: Ray 2.60's HAProxy ingress has no TLS; "
+                            "leave out --haproxy (RAY_SERVE_ENABLE_HA_PROXY=1).")
+        http_options |= {"ssl_certfile": spec.serve.tls_cert, "ssl_keyfile": spec.serve.tls_key}
+    serve.start(http_options=http_options)
+    url = check_bound(spec, bound_http(), port)
+    app = build_app(spec)
     try:
-        serve.run(build_app(spec), name=spec.name, route_prefix=spec.route_prefix, blocking=False)
-    except RuntimeError as exc:
+        serve.run(app, name=spec.name, route_prefix=spec.route_prefix, blocking=False)
+    except BaseException as exc:
+        shutdown(spec.name)  # what did start of it
+        if not isinstance(exc, RuntimeError):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"application '{spec.name}' failed to start: {first}") from None
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{shown}:{port}{spec.route_prefix.rstrip('/')}"
+    return url
 
 
 def shutdown(name: str) -> None:
@@ -132,11 +212,13 @@ def serve_foreground(spec: ServeSpec, host: str, port: int, on_ready: Callable[[
     # default, and `ray job stop` / Kubernetes send SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        url = deploy(spec, host, port)
-        on_ready(url)
-        while not stop.wait(0.2):
-            pass
+        url = deploy(spec, host, port)  # a refusal or a failed start leaves nothing deployed
+        try:
+            on_ready(url)
+            while not stop.wait(0.2):
+                pass
+        finally:
+            shutdown(spec.name)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        shutdown(spec.name)

@@ -5,19 +5,29 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import stat
+from pathlib import Path
 
 import pytest
 
 from cs3ray.config.schema import ServeConfig
 from cs3ray.errors import UserError
-from cs3ray.ops.cluster_env import HAPROXY_ENV, HAPROXY_SIDE_PORTS, export_cluster_env, haproxy_binary
-from cs3ray.serve.deploy import build_app, check_exposure, make_spec
+from cs3ray.ops.cluster_env import (
+    HAPROXY_ENV,
+    HAPROXY_FILES,
+    HAPROXY_SIDE_PORTS,
+    HAPROXY_SWITCH,
+    export_cluster_env,
+)
+from cs3ray.serve.deploy import build_app, check_bound, check_exposure, make_spec, pick_token
 from cs3ray.serve.launch import cluster_cpus, run_app
 from cs3ray.serve.spec import ServeSpec
 from cs3ray.serve.tuning import replica_actor_options
 
 from conftest import ROOT
 from helpers.serve_checkpoints import make_checkpoint
+from helpers.tls import make_tls
 
 
 def deployment_config(app):
@@ -80,7 +90,7 @@ def test_replica_env_keeps_the_users_runtime_env():
 
 
 def test_cluster_env_keeps_what_the_user_set(monkeypatch):
-    for key in ("RAY_worker_niceness", *HAPROXY_ENV, *HAPROXY_SIDE_PORTS):
+    for key in ("RAY_worker_niceness", *HAPROXY_ENV, *HAPROXY_SIDE_PORTS, *HAPROXY_FILES):
         monkeypatch.setenv(key, "15")  # so that the test's own export is undone after it
         monkeypatch.delenv(key)
     monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
@@ -91,15 +101,76 @@ def test_cluster_env_keeps_what_the_user_set(monkeypatch):
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"  # the proxy routes on its own loop
     assert "RAY_worker_niceness" not in os.environ  # a training cluster keeps Ray's nice 15 workers
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # nor Serve's HAProxy ingress
     export_cluster_env(serving=True)
     assert os.environ["RAY_worker_niceness"] == "0"  # a serving one runs them at nice 0
-    if haproxy_binary():  # ray[serve] bundles HAProxy on Linux
-        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-        ports = {int(os.environ[key]) for key in HAPROXY_SIDE_PORTS}  # free ones, not the fixed defaults
-        assert len(ports) == len(HAPROXY_SIDE_PORTS) and not ports & {8404, 9101, 8500, 9500}
-    else:
-        assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+    # Serve's HAProxy ingress only where asked: its stats and metrics listen on every interface.
+    assert HAPROXY_SWITCH not in os.environ and not {*HAPROXY_SIDE_PORTS, *HAPROXY_FILES} & set(os.environ)
+
+
+def test_haproxy_where_asked_keeps_its_files_in_a_private_folder(monkeypatch):
+    for key in (*HAPROXY_ENV, *HAPROXY_SIDE_PORTS, *HAPROXY_FILES):
+        monkeypatch.setenv(key, "15")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv(HAPROXY_SWITCH, "1")
+    export_cluster_env(serving=True)
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "3"
+    ports = {int(os.environ[key]) for key in HAPROXY_SIDE_PORTS}  # free ones, not the fixed defaults
+    assert len(ports) == len(HAPROXY_SIDE_PORTS) and not ports & {8404, 9101, 8500, 9500}
+    folder = Path(os.environ["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+    try:
+        # Not Serve's shared /tmp/haproxy-serve, where its admin socket (mode 666) lets anyone reconfigure it.
+        assert folder.is_dir() and stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+        assert all(Path(os.environ[key]).parent == folder for key in HAPROXY_FILES if key != "RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_token_file_and_its_refusals(tmp_path):
+    (tmp_path / "token").write_text("  s3cret\n")
+    assert pick_token(None, str(tmp_path / "token")) == "s3cret"
+    assert pick_token("given", None) == "given" and pick_token(None, None) is None
+    with pytest.raises(UserError, match="both give a token"):
+        pick_token("given", str(tmp_path / "token"))
+    with pytest.raises(UserError, match="cannot read the token file"):
+        pick_token(None, str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(UserError, match="is empty"):
+        pick_token(None, str(tmp_path / "empty"))
+
+
+def test_tls_files_checked_before_any_ray(tmp_path, monkeypatch):
+    tls = make_tls(tmp_path)
+    run = tmp_path / "run"
+    make_checkpoint(run)
+    monkeypatch.chdir(tmp_path)  # relative paths become absolute: Serve's proxy runs in another directory
+    spec = make_spec(str(run), overrides={"tls_cert": "server.pem", "tls_key": "server.key"})
+    assert (spec.serve.tls_cert, spec.serve.tls_key) == (str(tls.cert), str(tls.key))
+    with pytest.raises(UserError, match="needs both --tls-cert and --tls-key"):
+        make_spec(str(run), overrides={"tls_cert": str(tls.cert)})
+    with pytest.raises(UserError, match="does not exist"):
+        make_spec(str(run), overrides={"tls_cert": str(tls.cert), "tls_key": str(tmp_path / "nope")})
+    (tmp_path / "other").mkdir()
+    other = make_tls(tmp_path / "other")
+    with pytest.raises(UserError, match="cannot use TLS certificate"):  # a key of another certificate
+        make_spec(str(run), overrides={"tls_cert": str(tls.cert), "tls_key": str(other.key)})
+
+
+def test_exposure_is_checked_on_the_options_serve_runs_with():
+    """A running Serve keeps its HTTP options: what it listens on decides, not what was asked."""
+    from ray.serve.config import HTTPOptions
+
+    open_spec = ServeSpec(run="r", name="m")
+    with pytest.raises(UserError, match=r"listens on 0\.0\.0\.0:8123, not a loopback"):
+        check_bound(open_spec, HTTPOptions(host="0.0.0.0", port=8123), 8000)
+    assert check_bound(open_spec, HTTPOptions(host="127.0.0.1", port=8123), 8000) == "http://127.0.0.1:8123"
+    token_spec = ServeSpec(run="r", name="m", token="t", route_prefix="/api")
+    assert check_bound(token_spec, HTTPOptions(host="0.0.0.0", port=8123), 8000) == "http://127.0.0.1:8123/api"
+    assert check_bound(ServeSpec(run="r", name="m", insecure=True), HTTPOptions(host="::", port=1), 1)
+    tls_spec = ServeSpec(run="r", name="m", serve=ServeConfig(tls_cert="/c", tls_key="/k"))
+    with pytest.raises(UserError, match="without TLS"):
+        check_bound(tls_spec, HTTPOptions(host="127.0.0.1", port=8123), 8000)
+    assert check_bound(tls_spec, HTTPOptions(host="127.0.0.1", port=9, ssl_certfile="/c", ssl_keyfile="/k"), 9) \
+        == "https://127.0.0.1:9"
 
 
 def test_user_errors(tmp_path):
@@ -125,7 +196,7 @@ def test_an_open_api_beyond_loopback_needs_a_token_or_insecure(host, token, inse
     if allowed:
         check_exposure(host, token, insecure)
         return
-    with pytest.raises(UserError, match=r"--token or CS3_SERVE_TOKEN, or pass --insecure") as info:
+    with pytest.raises(UserError, match=r"--token-file or CS3_SERVE_TOKEN, or pass --insecure") as info:
         check_exposure(host, token, insecure)
     assert "\n" not in str(info.value)
 
@@ -155,7 +226,7 @@ def test_jobs_serve_on_its_default_host_needs_a_token_before_connecting(tmp_path
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert jobs_serve().main([str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "--token or CS3_SERVE_TOKEN, or pass --insecure" in err and "0.0.0.0" in err
+    assert "--token-file or CS3_SERVE_TOKEN, or pass --insecure" in err and "0.0.0.0" in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -169,5 +240,6 @@ def test_jobs_serve_takes_every_option_of_cs3_serve(capsys):
     with pytest.raises(SystemExit):
         jobs_serve().main(["--help"])
     job = set(re.findall(r"(--[a-z][a-z-]*)", capsys.readouterr().out))
-    # A job runs on the cluster it was submitted to until `ray job stop`: no --address, no --detach.
-    assert cli - {"--address", "--detach", "--help"} <= job, cli - job
+    # A job runs on the cluster it was submitted to until `ray job stop`: no --address, no --detach, and
+    # that cluster's ingress was chosen when it started (no --haproxy).
+    assert cli - {"--address", "--detach", "--haproxy", "--help"} <= job, cli - job
