@@ -135,11 +135,17 @@ def build_app(spec: ServeSpec):
     return LLMServer.options(name=f"{spec.name}-llm", **options).bind(spec)
 
 
-def bound_http():
-    """The HTTP options Serve's proxies run with on the connected cluster (not those last asked for)."""
+def start_serve(http_options: dict[str, Any]):
+    """Start Serve with `http_options` unless it runs already; the HTTP options its proxies run with."""
+    from ray import serve
     from ray.serve.context import _get_global_client
 
-    return _get_global_client().http_config
+    # A running Serve keeps its own options (serve.start would only log that it ignores ours).
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options=http_options)
+        client = _get_global_client()
+    return client.http_config
 
 
 def check_bound(spec: ServeSpec, bound, port: int) -> str:
@@ -173,8 +179,7 @@ def deploy(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
             raise UserError("TLS is served by Serve's own proxy: Ray 2.60's HAProxy ingress has no TLS; "
                             "leave out --haproxy (RAY_SERVE_ENABLE_HA_PROXY=1).")
         http_options |= {"ssl_certfile": spec.serve.tls_cert, "ssl_keyfile": spec.serve.tls_key}
-    serve.start(http_options=http_options)
-    url = check_bound(spec, bound_http(), port)
+    url = check_bound(spec, start_serve(http_options), port)
     app = build_app(spec)
     try:
         serve.run(app, name=spec.name, route_prefix=spec.route_prefix, blocking=False)

@@ -17,9 +17,10 @@ OWNER = textwrap.dedent("""
     from cs3ray.ops.watchdog import watched_cluster
     with watched_cluster():
         # As Ray's agents and HAProxy: a process of its own session, left to init when its parent dies.
-        child = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    later = subprocess.Popen(["sleep", "300"], start_new_session=True)  # started after: not the cluster's
-    print(child.pid, later.pid, folder, flush=True)
+        marked = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # Not marked (as an agent that overwrote its environment renaming itself): the noted tree has it.
+    later = subprocess.Popen(["sh", "-c", "sleep 300 & wait"], start_new_session=True)
+    print(marked.pid, later.pid, folder, flush=True)
     time.sleep(300)
 """)
 
@@ -31,21 +32,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_sigkill_of_the_command_ends_what_its_cluster_started(tmp_path):
+def test_sigkill_of_the_command_ends_what_it_started(tmp_path):
+    bystander = subprocess.Popen(["sleep", "300"])  # another process of the machine: left alone
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parents[2])
-    later = None
     try:
-        child_pid, later, folder = owner.stdout.readline().split()
-        child, later = int(child_pid), int(later)
-        assert alive(child) and Path(folder).is_dir()
+        marked, later, folder = owner.stdout.readline().split()
+        time.sleep(1.5)  # the watchdog notes the tree every second
+        started = [int(marked), int(later), *map(int, Path(f"/proc/{later}/task/{later}/children").read_text().split())]
+        assert len(started) == 3 and all(map(alive, started)) and Path(folder).is_dir()
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         deadline = time.time() + 15
-        while alive(child) and time.time() < deadline:
+        while any(map(alive, started)) and time.time() < deadline:
             time.sleep(0.1)
-        assert not alive(child)
-        assert alive(later)  # only the marked processes: nothing else of the machine
+        assert not any(map(alive, started))
+        assert alive(bystander.pid)
         deadline = time.time() + 5
         while Path(folder).exists() and time.time() < deadline:
             time.sleep(0.1)
@@ -53,5 +55,5 @@ def test_sigkill_of_the_command_ends_what_its_cluster_started(tmp_path):
     finally:
         owner.kill()
         owner.wait()
-        if later:
-            os.kill(later, signal.SIGKILL)
+        bystander.kill()
+        bystander.wait()
