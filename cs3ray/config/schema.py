@@ -304,6 +304,14 @@ class ServeConfig(Section):
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
     target_ongoing_requests: float = Field(16.0, gt=0, description="Autoscaling target of in-flight requests per replica.")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests a replica accepts at once; the engine queues those beyond max_batch.")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests each Serve proxy (or, with HAProxy, each replica) holds while every replica "
+                               "is at max_ongoing_requests; beyond them a request is answered 503 at once (Serve's "
+                               "default queues without bound).")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="Longest prompt in characters (a chat's whole transcript) a request may send; longer "
+                                "ones are refused (400) before tokenizing. Unset: the model's context times its "
+                                "longest token in bytes, past which no prompt fits.")
     max_batch: int = Field(
         16, ge=1, description="Sequences decoded together by continuous batching (1 disables batching). 16 keeps a "
                               "CPU replica's p99 inter-token gap within 50 ms (more trades latency for throughput; "

@@ -34,9 +34,12 @@ from .schemas import (
     CompletionRequest,
     chat_body,
     chat_prompt,
+    check_prompt_chars,
     completion_body,
+    decode_json,
     new_id,
     parse,
+    prompt_char_limit,
     prompt_ids,
     usage,
 )
@@ -47,7 +50,8 @@ from .tuning import tune_replica_process
 log = logging.getLogger(__name__)
 # Far above any prompt that fits a context window; bounds what a client can make a replica buffer.
 MAX_BODY_BYTES = 4 << 20
-api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None)
+# No docs pages, and the OpenAPI document only as a route of the class below, behind the token.
+api = FastAPI(title="cs3ray", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @api.exception_handler(APIError)
@@ -76,10 +80,7 @@ async def read_json(request: Request) -> Any:
         body += part
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-    try:
-        return json.loads(bytes(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    return decode_json(bytes(body))
 
 
 def load_replica(spec: ServeSpec, device: str):
@@ -114,6 +115,8 @@ class LLMServer:
         loaded = load_replica(spec, device)
         self.tokenizer = loaded.tokenizer
         self.context = loaded.model.args.max_seq_len
+        self.max_prompt_chars = spec.serve.max_prompt_chars or prompt_char_limit(self.context,
+                                                                                 loaded.tokenizer.token_bytes())
         self.fingerprint = f"step-{loaded.step}"
         self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics(),
                                    loaded.tokenizer.token_bytes())
@@ -145,6 +148,11 @@ class LLMServer:
                 "running": load["running"], "waiting": load["waiting"], "steps": load["steps"],
                 "busy_s": round(load["busy_s"], 3), "cpu_s": round(load["cpu_s"], 3)}
 
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        check_bearer(self.spec.token, request.headers.get("authorization"))
+        return JSONResponse(request.app.openapi())
+
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
         check_bearer(self.spec.token, request.headers.get("authorization"))
@@ -155,7 +163,7 @@ class LLMServer:
     async def completions(self, request: Request) -> Any:
         check_bearer(self.spec.token, request.headers.get("authorization"))
         req: CompletionRequest = parse(CompletionRequest, await read_json(request))
-        gen = self._request(req, req.text(), req.stop_list())
+        gen = await self._request(req, req.text(), req.stop_list(), "prompt")
         rid = new_id("cmpl")
 
         def body(text: str, finish: str | None, chunk: bool, use: dict | None = None, first: bool = False) -> dict:
@@ -166,7 +174,7 @@ class LLMServer:
     async def chat(self, request: Request) -> Any:
         check_bearer(self.spec.token, request.headers.get("authorization"))
         req: ChatRequest = parse(ChatRequest, await read_json(request))
-        gen = self._request(req, chat_prompt(req.messages), req.stop_list() + (TURN,))
+        gen = await self._request(req, chat_prompt(req.messages), req.stop_list() + (TURN,), "messages")
         rid = new_id("chatcmpl")
 
         def body(text: str | None, finish: str | None, chunk: bool, use: dict | None = None,
@@ -175,11 +183,14 @@ class LLMServer:
         return await self._respond(req, gen, body)
 
     # --- plumbing --------------------------------------------------------------------------
-    def _request(self, req: "CompletionRequest | ChatRequest", text: str, stop: tuple[str, ...]) -> GenRequest:
+    async def _request(self, req: "CompletionRequest | ChatRequest", text: str, stop: tuple[str, ...],
+                       param: str) -> GenRequest:
         if req.model != self.spec.name:
-            raise APIError(400, f"model '{req.model}' is not served here; this server has '{self.spec.name}' "
+            raise APIError(404, f"model '{req.model}' is not served here; this server has '{self.spec.name}' "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
-        ids = prompt_ids(self.tokenizer, text)
+        check_prompt_chars(text, self.max_prompt_chars, self.context, param)
+        # In a worker thread: the routes share Serve's main event loop, which a long prompt must not stall.
+        ids = await asyncio.to_thread(prompt_ids, self.tokenizer, text)
         return GenRequest(ids, req.sampling(len(ids), self.context), stop, ignore_eos=req.ignore_eos)
 
     async def _events(self, gen: GenRequest, paced: bool) -> AsyncIterator[Event]:

@@ -8,6 +8,8 @@ change the output (n > 1, logprobs, echo, penalties): those are refused with a c
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 import uuid
 from typing import Any, Literal
@@ -144,7 +146,42 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of a prompt; EOS first, as every training document follows an EOS."""
-    return [tokenizer.eos_id] + tokenizer.encode(text)
+    # encode_batch: Hugging Face's encode holds the GIL throughout, its encode_batch releases it,
+    # so a long prompt tokenized in a worker thread leaves the replica's event loop running.
+    return [tokenizer.eos_id] + tokenizer.encode_batch([text])[0]
+
+
+def prompt_char_limit(context: int, token_bytes: list[bytes]) -> int:
+    """The longest prompt, in characters, that can fit `context` tokens: no token spans more characters
+    than its longest one's bytes, so anything longer is refused without tokenizing it."""
+    return context * max(1, max((len(b) for b in token_bytes), default=1))
+
+
+def check_prompt_chars(text: str, limit: int, context: int, param: str) -> None:
+    """A 400 for a prompt over `limit` characters (serve.max_prompt_chars), before any tokenizing."""
+    if len(text) > limit:
+        raise APIError(400, f"the prompt is {len(text):,} characters, above this server's limit of {limit:,} "
+                            f"(serve.max_prompt_chars) for a model whose context is {context:,} tokens; "
+                            "shorten the prompt", param=param, code="context_length_exceeded")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body's JSON; what json.loads would raise on hostile input (nesting deeper than the
+    interpreter's stack, integers past Python's digit limit, NaN) is a 400 instead."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except ValueError as exc:  # an integer past Python's digit limit, or NaN / Infinity (not JSON)
+        what = (f"holds an integer of more than {sys.get_int_max_str_digits()} digits" if "integer" in str(exc)
+                else f"is not valid JSON: {exc}")
+        raise APIError(400, f"the request body {what}", code="invalid_json") from None
 
 
 _TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}

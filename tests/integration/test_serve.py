@@ -164,9 +164,12 @@ def call(url: str, method: str, path: str, token: str | None) -> tuple[int, dict
 
 
 def test_every_v1_route_needs_the_token_and_healthz_does_not(app):
-    # The routes the app really serves (its OpenAPI document), so a route added later is covered too.
-    with urllib.request.urlopen(f"{app}/openapi.json", timeout=30) as r:
-        paths = json.loads(r.read())["paths"]
+    # The routes the app really serves (its OpenAPI document, itself behind the token), so a route
+    # added later is covered too.
+    assert call(app, "GET", "/openapi.json", None)[0] == 401
+    status, document = call(app, "GET", "/openapi.json", TOKEN)
+    assert status == 200, document
+    paths = document["paths"]
     routes = [(path, method.upper()) for path, ops in paths.items() if path.startswith("/v1/") for method in ops]
     assert {path for path, _ in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
     for path, method in routes:
@@ -192,7 +195,7 @@ BAD = [
     ("top_p zero", json.dumps({"model": "tiny-test", "prompt": "a", "top_p": 0}), 400),
     ("n > 1", json.dumps({"model": "tiny-test", "prompt": "a", "n": 2}), 400),
     ("too many stops", json.dumps({"model": "tiny-test", "prompt": "a", "stop": list("abcde")}), 400),
-    ("unknown model", json.dumps({"model": "gpt-9", "prompt": "a"}), 400),
+    ("unknown model", json.dumps({"model": "gpt-9", "prompt": "a"}), 404),
     ("chat without messages", json.dumps({"model": "tiny-test", "messages": []}), 400),
     ("chat bad role", json.dumps({"model": "tiny-test", "messages": [{"role": "robot", "content": "x"}]}), 400),
     ("body too large", json.dumps({"model": "tiny-test", "prompt": "x" * (5 << 20)}), 413),
