@@ -73,24 +73,26 @@ def test_overload_answers_503_at_once_and_nothing_hangs(app):
                        ("Authorization", f"Bearer {TOKEN}")):
         held.putheader(key, value)
     held.endheaders()
-    held.send(body[:5])
-    time.sleep(1.0)  # the proxy has handed it to the replica
-    results: list[tuple[int, float]] = []
-    threads = [threading.Thread(target=lambda: results.append(post(f"{base}/v1/completions", body)))
-               for _ in range(5)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while sum(status == 503 for status, _ in results) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    refused = [took for status, took in results if status == 503]
-    # One request fits the queue; the others are refused while the slot is still held, each at once.
-    assert len(refused) >= 3, results
-    assert max(refused) < 10, refused
-    held.send(body[5:])
-    answer = held.getresponse()
-    assert answer.status == 200, answer.read()
-    held.close()
+    try:
+        held.send(body[:5])
+        time.sleep(1.0)  # the proxy has handed it to the replica
+        results: list[tuple[int, float]] = []
+        threads = [threading.Thread(target=lambda: results.append(post(f"{base}/v1/completions", body)))
+                   for _ in range(5)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(status == 503 for status, _ in results) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        refused = [took for status, took in results if status == 503]
+        # One request fits the queue; the others are refused while the slot is still held, each at once.
+        assert len(refused) >= 3, results
+        assert max(refused) < 10, refused
+        held.send(body[5:])
+        answer = held.getresponse()
+        assert answer.status == 200, answer.read()
+    finally:
+        held.close()  # a failed check must not leave the replica's slot held for the next test
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a queued request never answered"
