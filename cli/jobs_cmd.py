@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cs3ray.config import load_config
 from cs3ray.errors import UserError
-from cs3ray.ops import jobs
+from cs3ray.ops import job_credentials, jobs
 
 from .common import JsonOpt, OverridesArg, console, err_console, fail, overrides_list, user_errors
 
@@ -20,7 +20,8 @@ DashboardOpt = typer.Option(None, "--address", envvar="RAY_ADDRESS",
                             help="The cluster's dashboard URL (http://HEAD:8265), as for `ray job submit`; a cluster "
                                  "address (HEAD:6379) is resolved to it.")
 EnvOpt = typer.Option(None, "--env", help="KEY or KEY=VALUE to set in the job (repeatable; KEY alone takes this "
-                                          "shell's value). Better leave credentials to the cluster's own chain.")
+                                          "shell's value). Not for credentials: `ray job list` shows them; the "
+                                          "cluster's own chain gives them.")
 PipOpt = typer.Option(None, "--pip", help="Extra pip package for the job (repeatable).")
 app = typer.Typer(help="Ray jobs on a cluster: list, status, logs, stop.", no_args_is_help=True)
 
@@ -62,13 +63,19 @@ def submit(config: str = typer.Argument(..., help="YAML job config, inside the w
     if rel.startswith(".."):
         raise UserError(f"config '{config}' is outside --working-dir '{working_dir}': the job only sees that folder.")
     extra = overrides_list(overrides) + ([f"run.name={name}"] if name else [])
+    env_vars = _env_vars(env or [])
+    # Refused, not redacted: the job needs the value, and where it would go (entrypoint, runtime_env,
+    # the uploaded config file) is stored and shown by the cluster; the backend's chain there is safe.
+    job_credentials.check_overrides(extra)
+    job_credentials.check_config_file(config)
+    job_credentials.check_env_vars(env_vars)
     cfg = load_config(config, extra)  # a bad config is refused here, not on the cluster
     dashboard = _dashboard(address)
     run_dir, warning = jobs.run_dir_override(cfg, dashboard, os.getcwd())
     if warning:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     flags = ["--resume"] * resume + ["--overwrite"] * overwrite
-    job_id = jobs.submit(dashboard, rel, extra + run_dir, root, _env_vars(env or []), list(pip or []), flags)
+    job_id = jobs.submit(dashboard, rel, extra + run_dir, root, env_vars, list(pip or []), flags)
     err_console.print(f"submitted job {job_id} (run '{cfg.run.name}'); `cs3 jobs logs {job_id} --follow`, "
                       f"`cs3 jobs stop {job_id}`", highlight=False)
     if no_wait:

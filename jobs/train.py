@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cs3ray.config import load_config  # noqa: E402
 from cs3ray.errors import UserError  # noqa: E402
+from cs3ray.ops.job_credentials import check_config_file, check_overrides  # noqa: E402
 from cs3ray.train import TrainingError, train  # noqa: E402
 
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(event), flush=True)
 
     try:
+        # By now the entrypoint and the config file are stored by the cluster; refusing to use a credential
+        # found there makes the leak visible at once (and the docs never put one there).
+        check_overrides(overrides, where="in the job's entrypoint")
+        check_config_file(args.config)
         summary = train(load_config(args.config, overrides), resume=args.resume, overwrite=args.overwrite,
                         address=os.environ.get("RAY_ADDRESS", "auto"), on_event=log, quiet=not args.verbose)
     except UserError as exc:

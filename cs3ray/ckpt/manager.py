@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cs3ray.config import redact_config_text
+from cs3ray.config.redact import redact_values
 from cs3ray.errors import UserError
 from cs3ray.storage import RETRY_DEADLINE_S, Storage, StorageError, open_url
 
@@ -121,9 +122,10 @@ class CheckpointManager:
         self.wait()  # one save at a time: GC and dedup rely on it
         buf = io.BytesIO()
         torch.save(rank_state, buf)
-        # Credentials never reach the folder, its manifest's config_hash, replicas or the keepers.
+        # Credentials never reach the folder, its manifest's config_hash, replicas or the keepers (nor does
+        # a URL's password in the meta: imported_from, say).
         files = {k: redact_config_text(v) if k == CONFIG else v for k, v in files.items()}
-        job = (step, state, json.loads(json.dumps(meta)), buf.getvalue(), files)
+        job = (step, state, redact_values(json.loads(json.dumps(meta))), buf.getvalue(), files)
         if self._pool is None:
             self._write(*job)
         else:

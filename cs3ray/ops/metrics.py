@@ -7,7 +7,8 @@ import math
 import time
 from typing import Any
 
-from cs3ray.storage import Storage, is_remote
+from cs3ray.config.redact import redact_values
+from cs3ray.storage import Storage, is_remote, open_private
 
 EVENTS = "events.jsonl"
 
@@ -32,7 +33,7 @@ class EventLog:
 
     def add(self, event: dict[str, Any]) -> None:
         event = {"time": round(time.time(), 3), **event}
-        self.lines.append(json.dumps(event, sort_keys=True))
+        self.lines.append(json.dumps(redact_values(event), sort_keys=True))  # a URL's password, say
 
     def flush(self) -> None:
         if self._flushed == len(self.lines):
@@ -40,7 +41,7 @@ class EventLog:
         if self._remote:
             self.run.write_text("\n".join(self.lines) + "\n", EVENTS)
         else:
-            with open(self.run.path(EVENTS), "a") as f:
+            with open_private(self.run.path(EVENTS), "a") as f:
                 f.write("\n".join(self.lines[self._flushed:]) + "\n")
         self._flushed = len(self.lines)
 

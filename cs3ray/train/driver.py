@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from cs3ray.ckpt import list_steps, resolve_checkpoint, step_dir
 from cs3ray.config import JobConfig, to_yaml
+from cs3ray.config.redact import redact_values
 from cs3ray.data import ShardSpec, ensure_shards
 from cs3ray.data.dataset_stream import RESTART_WARNING, check_rows
 from cs3ray.data.transform import load_transform
@@ -293,7 +294,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
         if "error" in outcome:
             raise TrainingError(_worker_error(outcome["error"])) from None
         ray.kill(monitor)
-    summary = summarize(cfg, run, events, time.time() - started, resumed=resume)
+    summary = redact_values(summarize(cfg, run, events, time.time() - started, resumed=resume))  # URLs' passwords
     run.write_text(json.dumps(summary, indent=1), "summary.json")
     return summary
 
