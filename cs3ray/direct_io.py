@@ -60,7 +60,7 @@ def write_direct(path: str, data: Any, fsync: bool = True) -> bool:
         return False
     src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)  # the owner's alone
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False

@@ -36,6 +36,9 @@ PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADi
 PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
                               errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG})
 PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ParamValidationError"})  # botocore
+# What cs3 writes locally (configs, checkpoints, events, shards, the cache) is its owner's alone; the modes
+# are given where each file and folder is created, so no process-wide umask touches Ray's own logs.
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
 
 
 class StorageError(UserError):
@@ -139,6 +142,32 @@ def _libc() -> Any:
         return None
 
 
+def makedirs_private(path: str) -> None:
+    """Create folder `path` and its missing parents as 0700 folders (existing ones keep their mode).
+
+    os.makedirs applies its mode to the last folder only; the parents it creates get the umask's.
+    """
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        missing.append(path)
+        if os.path.dirname(path) == path:
+            break
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, PRIVATE_DIR)
+        except FileExistsError:
+            if not os.path.isdir(folder):
+                raise
+
+
+def open_private(path: str, mode: str = "wb"):
+    """open(path, mode) for writing ('w', 'a' or 'x', text or binary), a new file created 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | {"w": os.O_TRUNC, "a": os.O_APPEND, "x": os.O_EXCL}[mode[0]]
+    return os.fdopen(os.open(path, flags, PRIVATE_FILE), mode)
+
+
 def is_remote(url: str) -> bool:
     """True for URLs with a non-local protocol (s3://, gs://, memory://...)."""
     proto = url.split("://", 1)[0] if "://" in url else "file"
@@ -207,15 +236,17 @@ class Storage:
 
         def write() -> None:
             parent = posixpath.dirname(target)
-            if parent:
-                self.fs.makedirs(parent, exist_ok=True)
             if is_remote(self.url):
+                if parent:
+                    self.fs.makedirs(parent, exist_ok=True)
                 self.fs.pipe_file(target, data if isinstance(data, bytes) else memoryview(data).tobytes())
                 return
+            if parent:
+                makedirs_private(parent)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             # Large files (checkpoint chunks) bypass the page cache: far less CPU per byte.
             if memoryview(data).nbytes < direct_io.MIN_BYTES or not direct_io.write_direct(tmp, data, durable):
-                with open(tmp, "wb") as f:
+                with open_private(tmp, "wb") as f:
                     f.write(data)
                     if durable:
                         f.flush()
@@ -257,9 +288,14 @@ class Storage:
         self.call(remove, *parts, action="delete")
 
     def makedirs(self, *parts: str) -> None:
+        if not is_remote(self.url):
+            self.call(lambda: makedirs_private(self.path(*parts)), *parts, action="create")
+            return
         self.call(lambda: self.fs.makedirs(self.path(*parts), exist_ok=True), *parts, action="create")
 
     def open(self, *parts: str, mode: str = "rb"):
+        if not is_remote(self.url) and mode[0] in "wax":
+            return self.call(lambda: open_private(self.path(*parts), mode), *parts, action="open")
         return self.call(lambda: self.fs.open(self.path(*parts), mode), *parts, action="open")
 
     def call(self, fn: Callable[[], T], *parts: str, action: str = "access") -> T:
@@ -290,5 +326,5 @@ def open_url(url: str, options: dict[str, Any] | None = None, retry_deadline_s: 
     return Storage(url, dict(options or {}), retry_deadline_s)
 
 
-__all__ = ["DeadlineExceeded", "RETRY_DEADLINE_S", "Storage", "StorageError", "is_permanent", "is_remote", "join", "open_url", "retry",
-           "short_error"]
+__all__ = ["DeadlineExceeded", "PRIVATE_DIR", "PRIVATE_FILE", "RETRY_DEADLINE_S", "Storage", "StorageError",
+           "is_permanent", "is_remote", "join", "makedirs_private", "open_private", "open_url", "retry", "short_error"]

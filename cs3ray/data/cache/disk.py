@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from cs3ray.names import check_name
+from cs3ray.storage import makedirs_private, open_private
 
 from .errors import CacheError
 from .locking import file_lock
@@ -38,7 +39,7 @@ class DiskTier:
 
     def __init__(self, root: str, capacity: int, policy: EvictionPolicy) -> None:
         self.root, self.capacity, self.policy = os.path.abspath(os.path.expanduser(root)), capacity, policy
-        os.makedirs(self.root, exist_ok=True)
+        makedirs_private(self.root)  # the owner's alone, as everything a run writes locally
         # path -> (inode, size, mtime_ns) of files this process checked or wrote from checked bytes;
         # an unchanged signature means unchanged bytes, so hot epochs skip re-hashing.
         self._verified: dict[str, tuple[int, int, int]] = {}
@@ -169,10 +170,10 @@ class DiskTier:
 
 
 def _atomic_write(target: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    makedirs_private(os.path.dirname(target))
     tmp = os.path.join(os.path.dirname(target), f"{os.path.basename(target)}{TMP}{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with open_private(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, target)
         os.utime(target, (time.time(), time.time()))

@@ -12,12 +12,14 @@ import fcntl
 import os
 from typing import Iterator
 
+from cs3ray.storage import PRIVATE_FILE, makedirs_private
+
 
 @contextlib.contextmanager
 def file_lock(path: str, shared: bool = False) -> Iterator[None]:
     """Hold an exclusive (or shared) lock on `path` (created if missing) for the block."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    makedirs_private(os.path.dirname(path))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield

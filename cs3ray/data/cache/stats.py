@@ -15,6 +15,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
+from cs3ray.storage import makedirs_private, open_private
+
 STATS_DIR = ".stats"
 _ADD_LOCK = threading.Lock()
 
@@ -89,9 +91,9 @@ class StatsWriter:
             if not self.path:
                 return
             try:
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                makedirs_private(os.path.dirname(self.path))
                 tmp = f"{self.path}.tmp"
-                with open(tmp, "w") as f:
+                with open_private(tmp, "w") as f:
                     json.dump({"time": time.time(), **data}, f)
                 os.replace(tmp, self.path)
             except OSError:
