@@ -4,7 +4,8 @@ The run trains on the session's Ray head with `run.dir` and a replica on the buc
 `cs3 ckpt export`, `cs3 generate`, a resume check and a serve spec read it with the credentials
 given as trailing `storage.options.*` arguments, and `cs3 generate` once more with environment
 variables only.
-Afterwards no object in the bucket and no file the run or the commands wrote holds the key or secret.
+Afterwards no object in the bucket and no file the run or the commands wrote holds the key or secret, and the
+shards and the shard cache written locally are readable by their owner only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import run_cs3
+from helpers.modes import not_private
 
 SECRET = f"cs3-secret-{uuid.uuid4().hex}"
 KEY = f"AKIDCS3{uuid.uuid4().hex[:12].upper()}"
@@ -143,6 +145,9 @@ def test_no_credential_is_stored_anywhere(s3_run, ray_client):
     assert not [name for name in manifest["files"] if _holds_secret(tier.file(2, name))]
     # Local files: the data and cache dirs, the export, Ray Train's run folder, the Ray logs of this test.
     assert not _files_holding_secrets(run["work"])
+    # The prepared shards and the node's shard cache, written locally by the driver and the workers: the owner's alone.
+    for folder in (run["work"] / "shards", run["work"] / "l2"):
+        assert any(p.is_file() for p in folder.rglob("*")) and not_private(folder) == [], folder
     for folder in (Path.home() / "ray_results").glob(f"cs3-{run['name']}-*"):
         assert not _files_holding_secrets(folder)
     logs = Path(ray_client._private.worker._global_node.get_logs_dir_path())  # the head's session (no public API)

@@ -1,11 +1,14 @@
 """`cs3 submit` and `cs3 jobs` against the session's `ray start --head` (token auth on): a short run is submitted,
 its logs followed to the end, listed and inspected; a relative run.dir lands where `cs3 submit` ran; a wrong
-token, an unreachable address and an unknown job are one line each, exit 2."""
+token, an unreachable address and an unknown job are one line each, exit 2; a credential is refused before it
+reaches the job table."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import uuid
 
 import pytest
 
@@ -54,3 +57,20 @@ def test_a_wrong_token_an_unreachable_cluster_and_an_unknown_job_are_one_line_ea
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr
+
+
+def test_a_credential_is_refused_and_never_reaches_the_job_table(ray_head, tmp_path):
+    secret = f"cs3-submit-secret-{uuid.uuid4().hex}"
+    env = {k: v for k, v in ray_head.env().items() if k != "RAY_ADDRESS"}
+    proc = run_cs3(["submit", "configs/tiny.yaml", *SMALL, f"storage.options.secret={secret}", "--no-wait",
+                    "--address", ray_head.dashboard_url], env=env, cwd=ROOT)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "refusing the credential in 'storage.options.secret'" in lines[0] and "environment variables" in lines[0]
+    assert secret not in proc.stdout + proc.stderr
+    # What everyone who reaches the job API sees: Ray's own listing and cs3's.
+    listed = subprocess.run(["ray", "job", "list", "--address", ray_head.dashboard_url], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    ours = run_cs3(["jobs", "ls", "--json", "--address", ray_head.dashboard_url], env=env, check=True)
+    assert secret not in listed.stdout + listed.stderr + ours.stdout + ours.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 import torch
 
@@ -18,22 +17,8 @@ from cs3ray.data.cache import TieredCache
 from cs3ray.ops.metrics import EventLog
 from cs3ray.storage import open_url
 
+from helpers.modes import not_private
 from helpers.shard_sets import make_shard_set
-
-
-def not_private(root: Path) -> list[str]:
-    """Every file readable (or writable) by group or others, and every folder that is not 0700, below `root`."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        for name in dirs:
-            mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
-            if mode != 0o700:
-                found.append(f"{os.path.join(folder, name)} {mode:o}")
-        for name in files:
-            mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
-            if mode & 0o077:
-                found.append(f"{os.path.join(folder, name)} {mode:o}")
-    return found
 
 
 def test_run_files_checkpoints_shards_and_the_cache_are_the_owners_alone(tmp_path):
