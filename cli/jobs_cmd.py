@@ -44,6 +44,11 @@ def _env_vars(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _shown(info: dict) -> dict:
+    # Jobs submitted by other means (`ray job submit`) may carry a credential in their entrypoint.
+    return {**info, "entrypoint": job_credentials.redact_entrypoint(info["entrypoint"] or "")}
+
+
 @user_errors
 def submit(config: str = typer.Argument(..., help="YAML job config, inside the working dir."),
            overrides: Optional[list[str]] = OverridesArg,
@@ -97,7 +102,7 @@ def ls(address: Optional[str] = DashboardOpt, as_json: bool = JsonOpt) -> None:
     """Jobs on the cluster, newest first."""
     dashboard = _dashboard(address)
     client = jobs.client(dashboard)
-    listed = sorted((jobs.describe(j) for j in jobs.call(dashboard, client.list_jobs)),
+    listed = sorted((_shown(jobs.describe(j)) for j in jobs.call(dashboard, client.list_jobs)),
                     key=lambda j: j["start_time"] or 0, reverse=True)
     table = Table("id", "status", "entrypoint", title=f"jobs on {dashboard.url}")
     for j in listed:
@@ -114,7 +119,7 @@ def status(job_id: str = typer.Argument(..., help="Job id (from `cs3 submit` or 
     """One job's status and message."""
     dashboard = _dashboard(address)
     client = jobs.client(dashboard)
-    info = jobs.describe(jobs.call(dashboard, lambda: client.get_job_info(job_id)))
+    info = _shown(jobs.describe(jobs.call(dashboard, lambda: client.get_job_info(job_id))))
     if as_json:
         print(json.dumps(info))
     else:

@@ -9,12 +9,13 @@ every node that runs the job. Credentials belong to the backend's own chain on t
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Iterable
 
 from cs3ray.config import ConfigError, apply_overrides
 from cs3ray.config.loader import read_yaml
-from cs3ray.config.redact import redact_value, secret_fields
+from cs3ray.config.redact import MASK, redact_value, secret_fields
 from cs3ray.errors import UserError
 
 HOW = ("give credentials to the cluster instead, where the storage backend's own chain finds them: environment "
@@ -67,4 +68,23 @@ def check_env_vars(env_vars: dict[str, str]) -> None:
                                        f"environment variables; {HOW}.")
 
 
-__all__ = ["CredentialInJobError", "check_config_file", "check_env_vars", "check_overrides", "is_secret_variable"]
+def redact_entrypoint(text: str) -> str:
+    """A job's entrypoint as `cs3 jobs` shows it: credentials that others' submissions put there as '***'."""
+    try:
+        words = shlex.split(text)
+    except ValueError:  # unbalanced quotes: hide what looks like a credential in the text as it is
+        return redact_value(text)
+    shown = []
+    for word in words:
+        key, sep, value = word.partition("=")
+        try:
+            secret = bool(sep) and bool(secret_fields(apply_overrides({}, [word])))
+        except ConfigError:
+            secret = False
+        masked = redact_value(value) if secret and redact_value(value) != value else MASK  # a URL keeps its host
+        shown.append(f"{key}={masked}" if secret else redact_value(word))
+    return text if shown == words else shlex.join(shown)
+
+
+__all__ = ["CredentialInJobError", "check_config_file", "check_env_vars", "check_overrides", "is_secret_variable",
+           "redact_entrypoint"]

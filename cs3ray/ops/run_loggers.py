@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from cs3ray.config import JobConfig, redact_config, to_yaml
 from cs3ray.errors import UserError
-from cs3ray.storage import Storage, is_remote
+from cs3ray.storage import PRIVATE_FILE, Storage, is_remote, makedirs_private
 
 from .metrics import event_figures
 
@@ -35,7 +35,11 @@ class TensorBoardLogger:
         from tensorboardX import SummaryWriter
 
         self.run = run
-        self._tmp = tempfile.mkdtemp(prefix="cs3-tb-") if is_remote(run.url) else None
+        self._tmp = tempfile.mkdtemp(prefix="cs3-tb-") if is_remote(run.url) else None  # mkdtemp: 0700
+        if self._tmp is None:
+            # tensorboardX creates its files with the umask's mode: a 0700 folder keeps them the owner's,
+            # and close() makes them 0600 as every file of a run.
+            makedirs_private(run.path(TENSORBOARD_DIR))
         self.writer = SummaryWriter(self._tmp or run.path(TENSORBOARD_DIR), flush_secs=10)
         self.writer.add_text("config", "```yaml\n" + to_yaml(cfg) + "\n```", 0)
 
@@ -49,6 +53,10 @@ class TensorBoardLogger:
 
     def close(self) -> None:
         self.writer.close()
+        if self._tmp is None:
+            folder = self.run.path(TENSORBOARD_DIR)
+            for name in os.listdir(folder):
+                os.chmod(os.path.join(folder, name), PRIVATE_FILE)
         if self._tmp:
             for name in sorted(os.listdir(self._tmp)):
                 with open(os.path.join(self._tmp, name), "rb") as f:

@@ -1,6 +1,6 @@
 """What a run writes locally is its owner's alone: 0600 files, 0700 folders, with no process-wide umask.
 
-The real writers, without Ray: a run directory's config, events and summary (Storage, EventLog),
+The real writers, without Ray: a run directory's config, events, summary and TensorBoard files,
 a checkpoint through DCP with a large chunk (O_DIRECT) and a replica, prepared shards, the
 node's shard cache (its files, locks and statistics).
 """
@@ -13,8 +13,10 @@ import stat
 import torch
 
 from cs3ray.ckpt import CheckpointManager
+from cs3ray.config import load_config
 from cs3ray.data.cache import TieredCache
 from cs3ray.ops.metrics import EventLog
+from cs3ray.ops.run_loggers import TensorBoardLogger
 from cs3ray.storage import open_url
 
 from helpers.modes import not_private
@@ -33,6 +35,9 @@ def test_run_files_checkpoints_shards_and_the_cache_are_the_owners_alone(tmp_pat
         log.add({"event": "progress"})
         log.flush()
         run.write_text("{}", "summary.json")
+        board = TensorBoardLogger(load_config(None), run)
+        board.observe({"event": "progress", "step": 1, "loss": 2.5})
+        board.close()
         manager = CheckpointManager(run.url, keep=1, replicas=[str(tmp_path / "out" / "replica")])
         big = torch.ones(2 << 20 >> 2)  # 2 MiB: the O_DIRECT path of a chunk
         manager.save(1, {"w": big, "b": torch.ones(4)}, {"step": 1}, {}, {"config.yaml": "model: {}\n"})
@@ -48,6 +53,7 @@ def test_run_files_checkpoints_shards_and_the_cache_are_the_owners_alone(tmp_pat
         written = {p.relative_to(tmp_path / "out").parts[0] for p in (tmp_path / "out").rglob("*") if p.is_file()}
         assert {"runs", "replica", "l2"} <= written and (tmp_path / "shards" / "manifest.json").is_file()
         assert (tmp_path / "out" / "runs" / "tiny" / "step-00000001" / "manifest.json").is_file()
+        assert any((tmp_path / "out" / "runs" / "tiny" / "tensorboard").iterdir())
         assert not_private(tmp_path / "out") == [] and not_private(tmp_path / "shards") == []
         assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == stat.S_IMODE((tmp_path / "shards").stat().st_mode) \
             == 0o700

@@ -282,3 +282,16 @@ def test_the_training_job_refuses_a_credential_in_its_entrypoint(capsys):
     assert job.main([str(ROOT / "configs/tiny.yaml"), f"storage.options.key={SECRET}"]) == 2
     err = capsys.readouterr().err
     assert "refusing the credential in 'storage.options.key' in the job's entrypoint" in err and SECRET not in err
+
+
+def test_cs3_jobs_shows_others_entrypoints_without_their_credentials():
+    from cs3ray.ops.job_credentials import redact_entrypoint
+
+    given = (f"python jobs/train.py configs/tiny.yaml storage.options.secret={SECRET} "
+             f"'run.dir=s3://me:{SECRET}@bucket/runs' train.steps=3 --token-file /etc/cs3/token")
+    shown = redact_entrypoint(given)
+    assert SECRET not in shown and "train.steps=3" in shown and "--token-file /etc/cs3/token" in shown
+    assert "'storage.options.secret=***'" in shown and "run.dir=s3://me:***@bucket/runs" in shown
+    harmless = "python jobs/train.py configs/tiny.yaml data.tokenizer=byte 'run.name=a b'"
+    assert redact_entrypoint(harmless) == harmless  # as Ray stored it, quoting and all
+    assert SECRET not in redact_entrypoint(f"python x.py \"unbalanced https://me:{SECRET}@host")
