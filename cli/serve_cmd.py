@@ -15,7 +15,7 @@ from cs3ray.config import runtime_storage_options
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster_env import HAPROXY_SWITCH, haproxy_binary
 from cs3ray.ops.cluster_record import recorded_cluster
-from cs3ray.serve.deploy import make_spec, pick_token
+from cs3ray.serve.deploy import check_tls_ingress, make_spec, pick_token
 from cs3ray.serve.launch import delete_app, run_app
 
 from .common import (
@@ -75,6 +75,8 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
                                 "tls_cert": tls_cert, "tls_key": tls_key},
                      storage_options=runtime_storage_options(storage or [], storage_options),
                      ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas)
+    if spec.serve.tls_cert:
+        check_tls_ingress()  # before a cluster starts
 
     def ready(url: str) -> None:
         auth = "bearer token required" if spec.token else "no auth"

@@ -2,7 +2,9 @@
 as jobs/serve.py's options (KubeRay's RayService `serveConfigV2`, `serve deploy`, `serve run`).
 
 The repository root must be on the nodes' PYTHONPATH (deploy/Dockerfile sets it). Serve logs the
-args, so the API token comes from CS3_SERVE_TOKEN in the nodes' environment, never from args.
+args, so the API token comes from CS3_SERVE_TOKEN in the nodes' environment, never from args. The
+proxy's host, port and TLS come from the config's `http_options` (`ssl_certfile`, `ssl_keyfile`),
+which a builder cannot change.
 """
 
 # No `from __future__ import annotations`: Serve converts args to the model only when the

@@ -1,13 +1,16 @@
 """`cs3 bench serve`: continuous batching vs. no batching vs. Serve's @serve.batch, in one run.
 
 All three modes serve the same checkpoint with the same engine, forward pass and sampler on
-one replica of 1 CPU each, behind the same HTTP ingress (Serve's HAProxy where installed, as `cs3
-serve` runs it; else Serve's proxy); they differ only in scheduling:
+one replica of 1 CPU each, behind the same HTTP ingress (Serve's Python proxy, as `cs3 serve` runs
+it unless asked for --haproxy); they differ only in scheduling:
   unbatched    cs3ray's engine with max_batch=1 (one sequence at a time, the rest queue)
   serve_batch  Ray Serve's @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01): closed batches
   continuous   cs3ray's engine: sequences join and leave the batch at every decode step
 Each offered concurrency replays one seeded open-loop workload against each mode in turn,
 continuous batching before and after its peers (see REPLAY_ORDER).
+Then, where HAProxy is installed, what the opt-in HAProxy ingress would change: continuous batching
+replays the concurrency-16 workload twice on a second cluster with HAProxy in place of Serve's proxy
+(`ingress`: both cells and HAProxy's tokens/s over the proxy's).
 The benchmark needs no trained run: each model gets a few optimizer steps on the Python
 standard library's source first (seconds), just enough that it writes text. Speed does not
 depend on the weights (ignore_eos fixes every output's length), but streaming does: a
@@ -33,8 +36,9 @@ from cs3ray.config import build_config, to_yaml
 from cs3ray.core.precision import inference_dtype, resolve_precision
 from cs3ray.data.corpus import STDLIB, open_corpus
 from cs3ray.models import ByteTokenizer, Transformer
-from cs3ray.ops.cluster_env import export_cluster_env
+from cs3ray.ops.cluster_env import HAPROXY_SWITCH, export_cluster_env, haproxy_binary
 from cs3ray.ops.ports import free_port
+from cs3ray.ops.watchdog import watched_cluster
 from cs3ray.serve.tuning import replica_actor_options
 
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
@@ -100,7 +104,7 @@ def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tu
 
 
 def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int | None,
-                  stream_interval_ms: float | None = None) -> dict[str, str]:
+                  stream_interval_ms: float | None = None, modes: tuple[str, ...] = MODES) -> dict[str, str]:
     from ray import serve
 
     from cs3ray.serve.deploy import build_app, make_spec
@@ -108,7 +112,7 @@ def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int |
     from .serve_batch import RequestBatchServer
 
     urls = {}
-    for mode in MODES:
+    for mode in modes:
         name = f"bench-{preset}-{mode}"
         spec = make_spec(run, name=name, route_prefix=f"/{name}",
                          overrides={"dtype": dtype, "max_batch": 1 if mode == "unbatched" else max_batch,
@@ -135,6 +139,48 @@ def _summary(modes: dict[str, dict[str, dict]]) -> dict:
             "speedup_vs_unbatched_at_16": ratio(at16["continuous"], at16["unbatched"]),
             "speedup_vs_serve_batch_at_16": ratio(at16["continuous"], at16["serve_batch"]),
             "p99_itl_ms_at_16": at16["continuous"].get("p99_itl_ms")}
+
+
+INGRESS_CONCURRENCY = 16
+INGRESS_REPLAYS = 2
+
+
+def ingress_cost(run: str, latency_s: float, proxy_cell: dict, quick: bool, dtype: str, max_batch: int | None,
+                 log: Callable[[str], None]) -> dict:
+    """Continuous batching at concurrency 16 behind HAProxy on a cluster of its own (HAProxy is chosen when
+    a cluster starts), the same workload as `proxy_cell`'s: both cells and the tokens/s ratio."""
+    import os
+
+    from ray import serve
+
+    from cs3ray.ops.cluster_env import HAPROXY_ENV, HAPROXY_FILES, HAPROXY_SIDE_PORTS
+
+    _, counts, out_range = _plan("tiny", quick)
+    c = INGRESS_CONCURRENCY
+    items = workload(counts[c], rate=c / latency_s, seed=c, output_tokens=out_range)
+    saved = {k: os.environ.get(k) for k in (*HAPROXY_ENV, *HAPROXY_SIDE_PORTS, *HAPROXY_FILES)}
+    os.environ.update(HAPROXY_ENV)
+    port = free_port()
+    try:
+        with local_ray(max(8, os.cpu_count() or 1)):
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            try:
+                url = _deploy_modes(run, "tiny", port, dtype, max_batch, modes=("continuous",))["continuous"]
+                run_load(url, "bench-tiny-continuous", items[:1])  # warm-up
+                cell = _clean(summarize([replay(url, "bench-tiny-continuous", items)
+                                         for _ in range(INGRESS_REPLAYS)]))
+            finally:
+                serve.shutdown()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    ratio = round(cell["tokens_per_s"] / proxy_cell["tokens_per_s"], 3) if proxy_cell.get("tokens_per_s") else None
+    log(f"tiny c={c} continuous behind HAProxy {cell['tokens_per_s']:8.0f} tok/s  itl p99 {cell['p99_itl_ms']:6.1f} ms"
+        f"  ({ratio}x Serve's proxy)")
+    return {"concurrency": c, "serve_proxy": proxy_cell, "haproxy": cell, "haproxy_vs_serve_proxy_tokens_per_s": ratio}
 
 
 def _clean(cell: dict) -> dict:
@@ -181,7 +227,7 @@ def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_b
     finally:
         for mode in MODES:
             serve.delete(f"bench-{preset}-{mode}")
-    return _summary(modes)
+    return _summary(modes) | {"unloaded_latency_s": round(latency, 4)}
 
 
 @contextlib.contextmanager
@@ -194,8 +240,9 @@ def local_ray(num_cpus: int) -> Iterator[None]:
     import ray
 
     export_cluster_env(serving=True)  # as `cs3 serve` runs its embedded cluster
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False, configure_logging=False)
+    with watched_cluster():  # nothing of it outlives this process
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:
@@ -216,20 +263,25 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
     inference_dtype(dtype, "cpu")  # an unknown precision is refused before a cluster starts
     small = (not quick) if small is None else small
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, \
-            local_ray(max(8, os.cpu_count() or 1)):
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        ingress = "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve proxy"
-        log(f"ingress: {ingress}")
-        try:
-            result = bench_model(_checkpoint("tiny", Path(tmp)), "tiny", port, quick, dtype, max_batch, log)
-            if small:
-                result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
-                                                         dtype, max_batch, log)}
-            result["ingress"] = ingress
-            result["dtype"] = resolve_precision(dtype, "cpu")
-        finally:
-            serve.shutdown()
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp:
+        tiny = _checkpoint("tiny", Path(tmp))
+        with local_ray(max(8, os.cpu_count() or 1)):
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            ingress = "haproxy" if os.environ.get(HAPROXY_SWITCH) == "1" else "serve proxy"
+            log(f"ingress: {ingress}")
+            try:
+                result = bench_model(tiny, "tiny", port, quick, dtype, max_batch, log)
+                if small:
+                    result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
+                                                             dtype, max_batch, log)}
+                result["ingress"] = ingress
+                result["dtype"] = resolve_precision(dtype, "cpu")
+            finally:
+                serve.shutdown()
+        if ingress == "serve proxy" and haproxy_binary():  # what the opt-in HAProxy would change
+            proxy_cell = result["modes"]["continuous"].get(str(INGRESS_CONCURRENCY), {})
+            result["ingress_cost"] = ingress_cost(tiny, result["unloaded_latency_s"], proxy_cell, quick, dtype,
+                                                  max_batch, log)
     return result
 
 

@@ -73,9 +73,19 @@ def check_tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
     try:  # here, not as a proxy that never starts
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as exc:
-        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
-        raise UserError(f"cannot use TLS certificate '{cert}' with key '{key}': {reason}.") from None
+        reason = getattr(exc, "reason", None)
+        why = ("the key does not belong to the certificate" if reason == "KEY_VALUES_MISMATCH" else
+               "they are not a PEM certificate and its unencrypted private key" if isinstance(exc, ssl.SSLError)
+               else exc.strerror or str(exc))
+        raise UserError(f"cannot use TLS certificate '{cert}' with key '{key}': {why}.") from None
     return cert, key
+
+
+def check_tls_ingress() -> None:
+    """Refuse TLS where HAProxy takes HTTP: Ray 2.60's HAProxy template has no TLS lines."""
+    if os.environ.get(HAPROXY_SWITCH) == "1":
+        raise UserError("TLS is served by Serve's own proxy: Ray 2.60's HAProxy ingress has no TLS; "
+                        "leave out --haproxy (RAY_SERVE_ENABLE_HA_PROXY=1).")
 
 
 def make_spec(run: str, name: str | None = None, token: str | None = None, follow: bool = False,
@@ -175,9 +185,7 @@ def deploy(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
     check_exposure(host, spec.token, spec.insecure)  # also for callers that built the spec themselves
     http_options: dict[str, Any] = {"host": host, "port": port}
     if spec.serve.tls_cert:
-        if os.environ.get(HAPROXY_SWITCH) == "1":
-            raise UserError("TLS is served by Serve's own proxy: Ray 2.60's HAProxy ingress has no TLS; "
-                            "leave out --haproxy (RAY_SERVE_ENABLE_HA_PROXY=1).")
+        check_tls_ingress()
         http_options |= {"ssl_certfile": spec.serve.tls_cert, "ssl_keyfile": spec.serve.tls_key}
     url = check_bound(spec, start_serve(http_options), port)
     app = build_app(spec)
