@@ -22,9 +22,12 @@ def up_cmd(workers: int = typer.Option(0, "--workers", min=0, help="Extra worker
                                                                                "configs/tiny.yaml declares)."),
            labels: Optional[str] = typer.Option(None, "--labels", help="Node labels key=value[,key=value], "
                                                                        "on every node."),
+           host: str = typer.Option("127.0.0.1", "--host", help="The address the nodes bind and advertise "
+                                                                "(default: loopback, reachable from this machine "
+                                                                "only; token auth either way)."),
            as_json: bool = JsonOpt) -> None:
     """Start a Ray head on 127.0.0.1 with token auth (and worker nodes); does nothing if `cs3 up` already did."""
-    cluster, started = up(workers, num_cpus, parse_labels(labels))
+    cluster, started = up(workers, num_cpus, parse_labels(labels), host=host)
     info = {"address": cluster.address, "dashboard": cluster.dashboard_url, "nodes": len(cluster.pids),
             "started": started, "logs": cluster.log_dir}
     if as_json:

@@ -15,16 +15,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray Train's controller looks at its workers every 2 s by default, so each of the suite's many
 # short runs waited up to that to start and again to end; Ray Train passes this on to its actors.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-# `ray start --head` in Ray 2.60 enables token auth (the token lands in ~/.ray/auth_token when
-# the first head starts). Ray reads this when it is imported, so it is set before any test
-# module imports ray, also on a fresh machine where the token file does not exist yet.
-os.environ.setdefault("RAY_AUTH_MODE", "token")
-# `ray start` refuses to start with token auth on and no token yet (a fresh machine, a CI
-# runner): make the local development token first, as Ray's docs say.
-if (os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN")
-        and not (Path.home() / ".ray" / "auth_token").exists()):
-    subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True)
-
+# No Ray auth mode or token is set for the session: commands run as from a user's shell. The
+# session's head has a token of its own, which `ray_head.env()` hands to the clients of that head.
 from cs3ray.ops.cluster_env import export_cluster_env  # noqa: E402
 
 from helpers.cluster import HeadNode, start_head  # noqa: E402
@@ -40,9 +32,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_head() -> HeadNode:
-    """One `ray start --head` on 127.0.0.1 for the whole session; CLI tests reach it with --address."""
-    node = start_head(num_cpus=8)
+def ray_head(tmp_path_factory) -> HeadNode:
+    """One `ray start --head` on 127.0.0.1 with token auth for the whole session; CLI tests reach it with
+    --address and the environment `ray_head.env()` (which names its token file)."""
+    node = start_head(num_cpus=8, token_dir=tmp_path_factory.mktemp("ray-token"))
     yield node
     node.stop()
 
@@ -52,7 +45,10 @@ def ray_client(ray_head):
     """This test process connected to the session's head node (for in-process API tests)."""
     import ray
 
+    from cs3ray.ops.ray_auth import join_with_token
+
     os.environ.update({k: v for k, v in ray_head.env().items() if k.startswith("RAY_")})
+    join_with_token()  # this process imported ray before the head's auth variables were set
     if not ray.is_initialized():
         ray.init(address=ray_head.address, logging_level="ERROR", log_to_driver=False)
     yield ray

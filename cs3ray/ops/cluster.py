@@ -6,26 +6,46 @@ import contextlib
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import Iterator
 
 from cs3ray.errors import UserError
 
 from .cluster_env import export_cluster_env
 from .cluster_record import recorded_cluster
+from .ray_auth import ensure_token, join_with_token, use_token_auth
+from .watchdog import watched_cluster
+
+# Ray's switch for single-machine clusters (its default on macOS and Windows): see loopback_node.
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class ClusterError(UserError):
     """The Ray cluster named by --address / RAY_ADDRESS cannot be reached."""
 
 
-def enable_token_auth() -> None:
-    """Use Ray token auth when a token is given or `ray start` left one on this machine, unless a mode is set."""
-    # `ray start --head` in Ray 2.60 turns on token auth and writes the token here; a client on
-    # the same machine can use it without the user exporting anything.
-    given = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if "RAY_AUTH_MODE" not in os.environ and (given or (Path.home() / ".ray" / "auth_token").exists()):
-        os.environ["RAY_AUTH_MODE"] = "token"
+@contextlib.contextmanager
+def loopback_node() -> Iterator[None]:
+    """A new single-node cluster started inside: every server on 127.0.0.1.
+
+    ray.init() turns a loopback node address into the machine's own (so other machines could join),
+    except in the mode Ray runs clusters in on macOS and Windows, where a cluster is one machine;
+    there the GCS, raylet, workers, agents and metrics servers all bind 127.0.0.1. An embedded
+    cluster is one machine, so it starts in that mode; the switch is undone on exit, before this
+    process might join a real cluster. (Measured listeners: docs/operations.md, section 5.)
+    """
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(LOOPBACK_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_SWITCH] = "0"  # the cluster's own processes read it when they import ray
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported ray before the variable was set
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(LOOPBACK_SWITCH, None)
+        else:
+            os.environ[LOOPBACK_SWITCH] = saved_env
 
 
 def probe(address: str, timeout: float = 5.0) -> None:
@@ -61,6 +81,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
     use_recorded: without an address, join the cluster `cs3 up` started (False: benchmarks, which compare
     on a cluster of their own)."""
     import ray
+    from ray.exceptions import AuthenticationError
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
@@ -82,14 +103,18 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
     try:
         if embedded:
             export_cluster_env(serving)  # Serve's proxy, should this cluster serve a model, reads it at start
+            # Ray would make the token too, but with the umask's mode; and cs3 sends it either way.
+            ensure_token()
+            use_token_auth()
             # address="local": always a new cluster, even when `ray start` left one running here.
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
-                     configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
+            with loopback_node(), watched_cluster():  # nothing of it outlives this process
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
+                         configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
         else:
             probe(address)
-            enable_token_auth()
+            join_with_token()
             ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
-    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError, AuthenticationError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"the Ray cluster at '{address}'" if address else "an embedded Ray cluster"
         raise ClusterError(f"cannot connect to {where}: {first}. "

@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterator
 
 from cs3ray.config import JobConfig
 
-from .cluster import ClusterError, enable_token_auth, probe
+from .cluster import ClusterError, probe
 from .cluster_record import recorded_cluster
+from .ray_auth import join_with_token
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Besides .gitignore and .rayignore, which Ray honours itself: never upload the repository's history.
@@ -48,12 +49,12 @@ def resolve_dashboard(address: str | None) -> Dashboard:
     """The dashboard URL of --address / RAY_ADDRESS: an http(s) URL as given, a cluster address via the cluster."""
     address = address or os.environ.get("RAY_ADDRESS")
     if not address and (local := recorded_cluster()) is not None:
-        enable_token_auth()
+        join_with_token()
         return Dashboard(local.dashboard_url, f"the cluster `cs3 up` started ({local.dashboard_url})")
     if not address:
         raise ClusterError("no Ray cluster named: pass --address http://HEAD:8265 (the dashboard), set RAY_ADDRESS, "
                            "or start one here with `cs3 up`.")
-    enable_token_auth()
+    join_with_token()
     if address.startswith(("http://", "https://")):
         parsed = urllib.parse.urlsplit(address)
         probe(f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}")

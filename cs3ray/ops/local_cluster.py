@@ -2,25 +2,31 @@
 
 The head and each extra worker node are `ray start --block` processes, each the leader of its own
 process group; `down` signals exactly those groups and never runs `ray stop`, which would stop every
-Ray on the machine. `ray start --head` turns on token auth and keeps the token in ~/.ray/auth_token;
-the record (cs3ray.ops.cluster_record) names addresses and processes, not the token.
+Ray on the machine. The record (cs3ray.ops.cluster_record) names addresses and processes, not the token.
+
+Closed by default: the nodes run with Ray's token auth whether or not a token existed (cs3 makes
+one, owner-only, where Ray looks for it) and bind 127.0.0.1 unless `--host` names an address.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from .cluster import ClusterError, default_num_cpus, enable_token_auth
+from .cluster import ClusterError, default_num_cpus
 from .cluster_env import export_cluster_env
 from .cluster_record import LocalCluster, clear_record, home, read_record, recorded_cluster, write_record
 from .ports import free_port
+from .ray_auth import MODE, disabled_by_user, ensure_token, use_token_auth
 
+LOOPBACK_START = "cs3ray.ops.loopback_start"  # `ray start` keeping a loopback node address
 # As many logical CPUs as the embedded cluster of configs/tiny.yaml (2 workers of 1 CPU) declares.
 DEFAULT_CPUS = default_num_cpus(2, 1)
 
@@ -36,10 +42,13 @@ def parse_labels(text: str | None) -> dict[str, str]:
     return labels
 
 
-def _start(args: list[str], log: str) -> int:
+def _start(args: list[str], log: str, host: str) -> int:
+    # `ray start` enables token auth only when a token already exists: the mode is set, never left to chance.
+    env = dict(os.environ) if disabled_by_user() else dict(os.environ, **{MODE: "token"})
+    ray = [sys.executable, "-m", LOOPBACK_START] if ipaddress.ip_address(host).is_loopback else ["ray"]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(["ray", "start", "--block", "--disable-usage-stats", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))
+        proc = subprocess.Popen([*ray, "start", "--block", "--disable-usage-stats", *args], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return proc.pid
 
 
@@ -80,12 +89,18 @@ def alive_nodes(dashboard_url: str) -> list[Any]:
 
 
 def up(workers: int = 0, num_cpus: int | None = None, labels: dict[str, str] | None = None,
-       timeout: float = 120.0) -> tuple[LocalCluster, bool]:
-    """Start a head (and `workers` worker nodes) on 127.0.0.1 unless `cs3 up` already did; (cluster, started)."""
+       timeout: float = 120.0, host: str = "127.0.0.1") -> tuple[LocalCluster, bool]:
+    """Start a head (and `workers` worker nodes) on `host` unless `cs3 up` already did; (cluster, started)."""
     running = recorded_cluster()
     if running is not None:
         return running, False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ClusterError(f"--host '{host}' is not an IP address of this machine.") from None
+    ensure_token()
+    use_token_auth()  # this command's own calls (node list) send it too
     export_cluster_env(serving=False)  # Serve's proxy switches, as on an embedded cluster
     cpus = num_cpus or DEFAULT_CPUS
     logs = home() / "logs"
@@ -94,17 +109,17 @@ def up(workers: int = 0, num_cpus: int | None = None, labels: dict[str, str] | N
     label_arg = ["--labels", ",".join(f"{k}={v}" for k, v in labels.items())] if labels else []
     head_log = str(logs / "head.log")
     # Every port free: the defaults (6379, 8265, the job agent's 52365) may belong to another Ray here.
-    pids = [_start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={cpus}",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    f"--dashboard-agent-listen-port={free_port()}", *label_arg], head_log)]
-    cluster = LocalCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", pids, cpus, dict(labels or {}),
-                           str(logs))
+    # The node address is also the address Ray's servers bind: on 127.0.0.1 nothing listens beyond this machine.
+    pids = [_start(["--head", f"--node-ip-address={host}", f"--port={port}", f"--num-cpus={cpus}",
+                    "--include-dashboard=true", f"--dashboard-host={host}", f"--dashboard-port={dash}",
+                    f"--dashboard-agent-listen-port={free_port()}", *label_arg], head_log, host)]
+    where = f"[{host}]" if ":" in host else host
+    cluster = LocalCluster(f"{where}:{port}", f"http://{where}:{dash}", pids, cpus, dict(labels or {}), str(logs))
     write_record(cluster)  # from here on, `cs3 down` can stop what was started, even if this fails
     _wait_dashboard(cluster.dashboard_url, pids[0], head_log, timeout)
-    enable_token_auth()
     for i in range(workers):
-        pids.append(_start([f"--address={cluster.address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
-                            *label_arg], str(logs / f"worker-{i + 1}.log")))
+        pids.append(_start([f"--address={cluster.address}", f"--node-ip-address={host}", f"--num-cpus={cpus}",
+                            *label_arg], str(logs / f"worker-{i + 1}.log"), host))
         write_record(cluster)
     deadline = time.time() + timeout
     while len(alive_nodes(cluster.dashboard_url)) < 1 + workers:
@@ -149,4 +164,5 @@ def _is_ray_start(pid: int) -> bool:
         return _running(pid) and not os.path.isdir("/proc")  # no procfs (macOS): trust the live pid
     except OSError:
         return False
-    return any(a.endswith(b"ray") for a in args[:2]) and b"start" in args
+    ray = any(a.endswith(b"ray") for a in args[:2]) or LOOPBACK_START.encode() in args[:3]
+    return ray and b"start" in args

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -27,13 +27,11 @@ class HeadNode:
     address: str
     dashboard_url: str
     metrics_url: str  # Ray's Prometheus endpoint (every process's ray.util.metrics, through the node's agent)
+    auth_env: dict[str, str] = field(default_factory=dict)  # RAY_AUTH_MODE and the token file of this head
 
     def env(self) -> dict[str, str]:
-        """Environment for clients of this node (token auth as `ray start` set it up)."""
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address, **METRICS_ENV)
-        if (Path.home() / ".ray" / "auth_token").exists():
-            env["RAY_AUTH_MODE"] = "token"
-        return env
+        """Environment for clients of this node: its address and its token."""
+        return dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=self.address, **METRICS_ENV, **self.auth_env)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -48,8 +46,13 @@ class HeadNode:
 
 
 def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | None = None,
-               timeout: float = 90) -> HeadNode:
-    """A head node on 127.0.0.1 with free ports; returns once it accepts connections."""
+               timeout: float = 90, token_dir: Path | None = None) -> HeadNode:
+    """A head node on 127.0.0.1 with free ports; returns once it accepts connections.
+    token_dir: token auth, with a token made in that folder (as cs3 makes one: owner-only)."""
+    auth_env: dict[str, str] = {}
+    if token_dir is not None:
+        auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(token_dir) / "auth_token")}
+        _make_token(auth_env["RAY_AUTH_TOKEN_PATH"])
     port, dash, agent, metrics = free_port(), free_port(), free_port(), free_port()
     # Every port chosen free: the defaults (6379, 8265, the job agent's 52365) would collide
     # with any other Ray node on the machine, and `ray job submit` would find no agent.
@@ -59,8 +62,9 @@ def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | No
            f"--metrics-export-port={metrics}",
            *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0", **METRICS_ENV))
-    node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{metrics}/metrics")
+                            env=dict(env or os.environ, RAY_USAGE_STATS_ENABLED="0", **METRICS_ENV, **auth_env))
+    node = HeadNode(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{metrics}/metrics",
+                    auth_env)
     deadline = time.time() + timeout
     import urllib.error
     import urllib.request
@@ -78,6 +82,16 @@ def start_head(num_cpus: int = 8, extra: list[str] | None = None, env: dict | No
             time.sleep(1)
     node.stop()
     raise RuntimeError("ray head node did not come up in time")
+
+
+def _make_token(path: str) -> None:
+    from unittest import mock
+
+    from cs3ray.ops.ray_auth import ensure_token
+
+    with mock.patch.dict(os.environ, {"RAY_AUTH_TOKEN_PATH": path}):
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        ensure_token()
 
 
 @contextlib.contextmanager

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
-
-# Ray reads RAY_AUTH_MODE when imported; a head from `ray start` uses token auth (see test_serve.py).
-if (Path.home() / ".ray" / "auth_token").exists():
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from cs3ray.bench.loopback_s3 import LatencyProxy, MotoServer, make_bucket, s3_options
 from cs3ray.data.cache import CacheError, TieredCache, read_all, total

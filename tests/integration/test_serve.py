@@ -26,11 +26,6 @@ from conftest import run_cs3
 from helpers.prometheus import scrape
 from helpers.serve_checkpoints import make_checkpoint
 
-# Ray reads RAY_AUTH_MODE when it is imported, and conftest's ray_client sets it only after
-# importing ray; a head from `ray start` uses token auth, so say so before anything imports ray.
-if (Path.home() / ".ray" / "auth_token").exists():
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-
 TOKEN = "s3cret-token"
 ROOT = Path(__file__).resolve().parents[2]
 

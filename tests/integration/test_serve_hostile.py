@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,10 +20,6 @@ from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown
 
 from helpers.serve_checkpoints import make_checkpoint
-
-# As in test_serve.py: a head from `ray start` uses token auth, so say so before anything imports ray.
-if (Path.home() / ".ray" / "auth_token").exists():
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 TOKEN = "hostile-token"
 NAME = "hostile"
