@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -138,3 +140,30 @@ def test_a_token_that_already_exists_is_used_and_kept(tmp_path):
     finally:
         assert run_cs3(["down"], env=env, timeout=120).returncode == 0
     assert token_file.read_text() == "ab" * 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+
+
+def _documented_listeners() -> list[str]:
+    """The processes docs/operations.md lists as listening beyond loopback (its table's process column)."""
+    text = (ROOT / "docs/operations.md").read_text()
+    table = text.split("What\nstill listens beyond loopback", 1)[1].split("\n\n", 2)[1]
+    return [row.split("|")[2].strip().strip("`") for row in table.splitlines()[2:]]
+
+
+@pytest.mark.slow
+def test_an_embedded_training_listens_beyond_loopback_only_where_the_docs_say(tmp_path):
+    documented = _documented_listeners()
+    assert "ray::RayTrainWorker" in documented
+    env = user_shell(tmp_path / "home")
+    proc = subprocess.Popen(["cs3", "train", "configs/tiny.yaml", *SMALL, "cluster.workers=2", "train.steps=400",
+                             f"run.dir={tmp_path / 'run'}"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    seen: set[str] = set()
+    try:
+        while proc.poll() is None and not seen:
+            seen.update(re.search(r'users:\(\("([^"]+)"', line).group(1) for line in _listeners_beyond_loopback([proc.pid]))
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C: a checkpoint, then everything stops
+        proc.wait(timeout=120)
+    # ss shows a process's name cut to 15 characters.
+    assert seen and all(any(name.startswith(seen_name) for name in documented) for seen_name in seen), seen
