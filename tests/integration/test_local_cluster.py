@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from cs3ray.ops.watchdog import processes, tree
+
 from conftest import ROOT, run_cs3
 
 SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128", "train.seq_len=32",
@@ -68,17 +70,9 @@ def _assert_closed_to_strangers(cluster: dict, token: str, tmp_path: Path) -> No
 
 def _listeners_beyond_loopback(pids: list[int]) -> list[str]:
     """Listening TCP sockets of the cluster's processes (the trees under its `ray start`s) not on loopback."""
-    tree = set(pids)
-    for _ in range(4):  # ray start -> raylet/gcs -> workers -> their children
-        for stat_file in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat_file.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) in tree:
-                tree.add(int(stat_file.parent.name))
+    tree_pids = tree(set(pids), processes())
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if {int(p) for p in re.findall(r"pid=(\d+)", line)} & tree
+    return [line for line in out.splitlines() if {int(p) for p in re.findall(r"pid=(\d+)", line)} & tree_pids
             and not re.search(r"\s(127\.\d+\.\d+\.\d+|\[::ffff:127\.\d+\.\d+\.\d+\]|\[::1\]):\d+\s", line)]
 
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from cs3ray.ops.ports import free_port
+from cs3ray.ops.watchdog import processes, tree
 
 from conftest import ROOT, run_cs3
 from helpers.serve_checkpoints import make_checkpoint
@@ -48,22 +49,8 @@ def test_serve_already_on_every_interface_refuses_an_open_api(ray_client, ray_he
 
 def descendants(root: int) -> dict[int, str]:
     """Every process under `root` (pid -> its start time, so that a reused pid is not mistaken for it)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, str] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(proc.name))
-            starts[int(proc.name)] = fields[19]
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = starts[child]
-            todo.append(child)
-    return found
+    table = processes()
+    return {pid: table[pid][1] for pid in tree({root}, table) - {root}}
 
 
 def running(pid: int, start: str) -> bool:
@@ -126,14 +113,14 @@ def test_openai_client_over_https_with_a_ca_it_trusts(https_server):
 def test_sigkill_of_cs3_serve_leaves_no_process_of_its_cluster(https_server):
     """kill -9 of `cs3 serve`: its cluster's processes (agents, workers, proxy) end within 15 s; other Rays live."""
     proc, base, port, _ = https_server
-    tree = descendants(proc.pid)
-    assert len(tree) > 3  # GCS, raylet, agents, workers
+    cluster = descendants(proc.pid)
+    assert len(cluster) > 3  # GCS, raylet, agents, workers
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 15
-    while time.time() < deadline and any(running(pid, start) for pid, start in tree.items()):
+    while time.time() < deadline and any(running(pid, start) for pid, start in cluster.items()):
         time.sleep(0.25)
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid, start in tree.items() if running(pid, start)}
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid, start in cluster.items() if running(pid, start)}
     assert not left
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: its closed connections wait
