@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -25,7 +26,7 @@ class ClusterError(UserError):
 
 @contextlib.contextmanager
 def loopback_node() -> Iterator[None]:
-    """A new single-node cluster started inside: every server on 127.0.0.1.
+    """A new single-node cluster started inside has every server on 127.0.0.1; a join inside keeps 127.0.0.1.
 
     ray.init() turns a loopback node address into the machine's own (so other machines could join),
     except in the mode Ray runs clusters in on macOS and Windows, where a cluster is one machine;
@@ -62,6 +63,16 @@ def probe(address: str, timeout: float = 5.0) -> None:
     except OSError as exc:
         raise ClusterError(f"cannot reach the Ray cluster at '{address}' ({exc.strerror or exc}). "
                            "Check --address / RAY_ADDRESS, or start one with `ray start --head`.") from None
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
@@ -113,7 +124,9 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
         else:
             probe(address)
             join_with_token()
-            ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
+            # Ray would turn a loopback address into the machine's own, where a loopback cluster is not.
+            with loopback_node() if _is_loopback(address) else contextlib.nullcontext():
+                ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
     except (ConnectionError, TimeoutError, ValueError, RuntimeError, AuthenticationError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"the Ray cluster at '{address}'" if address else "an embedded Ray cluster"

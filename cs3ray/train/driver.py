@@ -132,14 +132,14 @@ def _val_rows(cfg: JobConfig, ds: Any) -> Any:
 
 
 def _torch_config(cfg: JobConfig):
-    from ray.train.torch import TorchConfig
+    from .process_group import BoundStoreTorchConfig
 
     backend = "nccl" if cfg.cluster.use_gpu else "gloo"
     if cfg.cluster.fault_tolerance == "replicas":
         from .replicas import torchft_config
 
         return torchft_config(backend)
-    return TorchConfig(backend=backend)
+    return BoundStoreTorchConfig(backend=backend)
 
 
 def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, resumed: bool = False) -> dict[str, Any]:
