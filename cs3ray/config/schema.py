@@ -141,6 +141,11 @@ class ParallelConfig(Section):
                             "stages per worker, a smaller bubble for more messages).")
     pp_microbatches: int = Field(4, ge=1, description="Micro-batches each worker's batch is split into for the "
                                                       "pipeline: a multiple of pp that divides train.batch_size.")
+    fsdp_unsharded_accumulation: bool = Field(
+        False, description="fsdp with train.grad_accum > 1: hold every parameter's full fp32 gradient across the "
+                           "micro-batches and reduce-scatter once a step, for 1/grad_accum of the gradient traffic "
+                           "at 4 bytes x parameters / tp more per worker (`cs3 plan --unsharded-accumulation` "
+                           "prints it). Off: each micro-batch's gradients are reduce-scattered and stay sharded.")
 
 
 class CompressionConfig(Section):

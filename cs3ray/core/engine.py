@@ -65,7 +65,10 @@ class ComputeCore:
                 parallel.apply_compile(chunk)
         self.autocast = True
         self.compression: CompressionHook | None = None  # compressed gradient sync
-        if p.strategy == "fsdp" and distributed:
+        self.fsdp = p.strategy == "fsdp" and distributed
+        # FSDP2 holds unsharded gradients across micro-batches whose sync is off: only where asked.
+        self.sync_every_micro_batch = self.fsdp and not p.fsdp_unsharded_accumulation
+        if self.fsdp:
             for chunk in chunks:
                 parallel.apply_fsdp(chunk, mesh["dp"], self.precision)
             self.compression = parallel.apply_fsdp_compression(model, cfg.compression, mesh["dp"].get_group(),
@@ -114,8 +117,8 @@ class ComputeCore:
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
     def _no_sync(self, last: bool):
-        """Skip gradient communication on all but the last micro-batch of an accumulation."""
-        if last:
+        """Skip gradient communication on all but the last micro-batch of an accumulation (not FSDP's by default)."""
+        if last or self.sync_every_micro_batch:
             return contextlib.nullcontext()
         if hasattr(self.model, "no_sync"):
             return self.model.no_sync()
@@ -152,6 +155,8 @@ class ComputeCore:
             total += float(loss.detach())
         # This thread's CPU time, not the wall's: a wait for slower ranks in a collective is no work.
         self.busy_s += time.thread_time() - busy
+        if self.fsdp and self.compression is not None:
+            self.compression.end_sync()
         if self.sync_grads is not None:
             self.sync_grads(self.params)
         ok = self.scaler.unscale_and_check(self.params)

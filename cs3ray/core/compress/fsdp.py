@@ -19,8 +19,8 @@ from .hook import CompressionHook
 class CompressedReduceScatter:
     """FSDP2's `ReduceScatter` interface (allocate + call), duck-typed: torch exports the class only privately."""
 
-    def __init__(self, state: CompressionHook, key: str, counts_step: bool) -> None:
-        self.state, self.key, self.counts_step = state, key, counts_step
+    def __init__(self, state: CompressionHook, key: str) -> None:
+        self.state, self.key = state, key
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A fresh buffer for FSDP's reduce-scatter input or output."""
@@ -39,13 +39,14 @@ class CompressedReduceScatter:
             state.reduce.reduce_scatter(self.key, input_tensor, output_tensor, average=op == dist.ReduceOp.AVG)
         else:
             raise ValueError(f"compressed reduce-scatter supports AVG and SUM, not {op}")
-        if self.counts_step:
-            state.steps += 1
 
 
 def install_fsdp_compression(model: nn.Module, state: CompressionHook) -> CompressionHook:
-    """Compress the reduce-scatter of every FSDP module of `model` (the root, reduced last, counts steps)."""
+    """Compress the reduce-scatter of every FSDP module of `model`.
+
+    FSDP2 reduce-scatters once per micro-batch, so the optimizer step, not a call, ends a sync:
+    the engine calls `state.end_sync()` after each step's backward passes."""
     for name, module in model.named_modules():
         if hasattr(module, "set_custom_reduce_scatter"):
-            module.set_custom_reduce_scatter(CompressedReduceScatter(state, name or "<root>", module is model))
+            module.set_custom_reduce_scatter(CompressedReduceScatter(state, name or "<root>"))
     return state

@@ -32,7 +32,7 @@ class CompressionHook:
                                                                             error_feedback))
         self.group = group
         self.warmup_steps = warmup_steps
-        self.steps = 0  # completed gradient syncs (one per optimizer step; no_sync micro-batches skip the hook)
+        self.steps = 0  # completed gradient syncs: optimizer steps whose gradients went through the hook
         self.initial_buckets = ddp_buckets  # DDP's first sync in this process: its buckets are rebuilt after it
         self.names: dict[int, str] = {}  # id(parameter) -> name, to key residuals by what a bucket holds
 
@@ -40,6 +40,10 @@ class CompressionHook:
     def compressing(self) -> bool:
         """Whether the current sync is compressed (warm-up over, and DDP's buckets rebuilt)."""
         return self.steps >= self.warmup_steps and not self.initial_buckets
+
+    def end_sync(self) -> None:
+        """An optimizer step's gradients are synced (FSDP: its micro-batches' reduce-scatters are done)."""
+        self.steps += 1
 
     def residual_bytes(self) -> int:
         """Bytes of error-feedback residuals this rank keeps."""
