@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from cs3ray.errors import UserError
-from cs3ray.ops.planner import GB, SCENARIOS, SHAPES, PlanInput, plan, scenario_notes, shape
+from cs3ray.ops.planner import GB, SCENARIOS, SHAPES, PlanInput, feasible_batch, plan, scenario_notes, shape
 
 from .common import JsonOpt, console, err_console, user_errors
 
@@ -44,6 +44,9 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
              micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Sequences per worker per forward."),
              global_batch: Optional[int] = typer.Option(None, "--global-batch", min=1, help="Sequences per optimizer step."),
              ac: bool = typer.Option(False, "--ac", help="Activation checkpointing."),
+             unsharded_accumulation: bool = typer.Option(
+                 False, "--unsharded-accumulation", help="fsdp: hold whole gradients across micro-batches and "
+                 "reduce-scatter once a step (parallel.fsdp_unsharded_accumulation)."),
              tokens: Optional[float] = typer.Option(None, "--tokens", min=1, help="Tokens to train on (for days_to_train)."),
              mfu: float = typer.Option(0.4, "--mfu", min=0.001, max=1.0, help="Model FLOPs utilisation to assume."),
              as_json: bool = JsonOpt) -> None:
@@ -65,10 +68,15 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
         raise UserError(f"unknown codec '{codec}': use none, bf16, int8 or int4_sparse")
     args, count = shape(model, int(params) if params else None, layers, hidden, heads, kv_heads, ffn, vocab,
                         seq_len or 4096)
-    r = plan(PlanInput(args, count, precision=precision, strategy=strategy, tp=tp, workers=workers,
-                       device_mem_gb=device_mem, tflops=flops, bandwidth_gbs=bandwidth, codec=codec, density=density,
-                       seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
-                       activation_checkpointing=ac, tokens=tokens, mfu=mfu, write_gbs=write_bandwidth, model=model))
+    given_input = PlanInput(args, count, precision=precision, strategy=strategy, tp=tp, workers=workers,
+                            device_mem_gb=device_mem, tflops=flops, bandwidth_gbs=bandwidth, codec=codec,
+                            density=density, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+                            activation_checkpointing=ac, unsharded_accumulation=unsharded_accumulation,
+                            tokens=tokens, mfu=mfu, write_gbs=write_bandwidth, model=model)
+    if scenario is not None:
+        given_input, batch_notes = feasible_batch(given_input, scenario)
+        notes += batch_notes
+    r = plan(given_input)
     r.notes = notes + r.notes
     w = r.per_worker
     table = Table("", "per worker", title=f"{model or 'custom'}: {r.params / 1e9:,.2f} B parameters, {r.strategy}, "

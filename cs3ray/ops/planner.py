@@ -14,7 +14,7 @@ are times: they follow from the FLOPs, the MFU and the bandwidth you give.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from cs3ray.core.compress.codec import make_codec
@@ -53,6 +53,7 @@ class PlanInput:
     micro_batch: int = 1
     global_batch: int | None = None  # sequences per optimizer step; default: one micro-batch per data-parallel rank
     activation_checkpointing: bool = False
+    unsharded_accumulation: bool = False  # fsdp: full gradients held across micro-batches (parallel.fsdp_unsharded_accumulation)
     tokens: float | None = None
     mfu: float = 0.4
     write_gbs: float = 2.0  # storage write bandwidth of one worker, GB/s
@@ -125,12 +126,34 @@ def _block_params(args: ModelArgs) -> int:
     return args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.ffn_dim + 2 * args.dim
 
 
+def accumulation(p: PlanInput, dp: int) -> int:
+    """Micro-batches per optimizer step: the global batch over the data-parallel workers' micro-batches."""
+    return max(1, (p.global_batch or p.micro_batch * dp) // (p.micro_batch * dp))
+
+
+def check_batch(p: PlanInput, workers: int) -> None:
+    """One UserError when the global batch cannot be split into whole micro-batches over the workers."""
+    dp = max(1, workers // p.tp)
+    if p.global_batch is None:
+        return
+    per_step = p.micro_batch * dp
+    if p.global_batch < per_step:
+        raise UserError(f"a global batch of {p.global_batch:,} sequences cannot feed {dp:,} data-parallel workers "
+                        f"{p.micro_batch} sequence(s) each ({p.global_batch / dp:.3g} a worker): use at least "
+                        f"{per_step:,}, or at most {max(1, p.global_batch // p.micro_batch) * p.tp:,} workers")
+    if p.global_batch % per_step:
+        raise UserError(f"a global batch of {p.global_batch:,} sequences is not a whole number of micro-batches of "
+                        f"{p.micro_batch} over {dp:,} data-parallel workers: use a multiple of {per_step:,}")
+
+
 def per_worker(p: PlanInput, workers: int) -> PerWorker:
     """Bytes one worker holds at the peak of a step with `workers` workers in all."""
     dp = max(1, workers // p.tp)
     shard = p.params / p.tp  # what one tensor-parallel rank owns before data-parallel sharding
     param = shard / dp if p.strategy == "fsdp" else shard
     grad = shard / dp if p.strategy == "fsdp" else shard
+    if p.strategy == "fsdp" and p.unsharded_accumulation and dp > 1 and accumulation(p, dp) > 1:
+        grad += shard  # every parameter's whole gradient, held until the last micro-batch reduce-scatters it
     optim = shard / dp if p.strategy in ("fsdp", "zero1") else shard
     param, grad, optim = (int(param * STATE_BYTES["param"]), int(grad * STATE_BYTES["grad"]),
                           int(optim * STATE_BYTES["optimizer"]))
@@ -186,17 +209,19 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
     """Bytes one worker sends per optimizer step for data- and tensor-parallel communication."""
     dp, a = max(1, workers // p.tp), p.args
     shard = math.ceil(p.params / p.tp)
-    accum = max(1, (p.global_batch or p.micro_batch * dp) // (p.micro_batch * dp))  # micro-batches a step
+    accum = accumulation(p, dp)
+    # FSDP reduce-scatters every micro-batch's gradients unless they are held whole until the last.
+    syncs = accum if p.strategy == "fsdp" and not p.unsharded_accumulation else 1
     out = 0
     if dp > 1:
         frac = (dp - 1) / dp
         if codec != "none":
             # The two-phase compressed all-reduce: 2(n-1) chunks of 1/n of the gradient, encoded.
-            out += 2 * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
+            out += syncs * 2 * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
         elif p.strategy == "fsdp":
             # Parameters gathered in forward and again in backward for every micro-batch; gradients
-            # reduce-scattered in fp32 once a step (the sync is held back during accumulation).
-            out += int(frac * shard * (2 * accum * ELEMENT_BYTES[p.precision] + 4))
+            # reduce-scattered in fp32 at each sync.
+            out += int(frac * shard * (2 * accum * ELEMENT_BYTES[p.precision] + 4 * syncs))
         else:
             out += int(2 * frac * shard * 4)  # a ring all-reduce of fp32 gradients
         if p.strategy == "zero1":
@@ -219,6 +244,7 @@ def plan(p: PlanInput) -> Plan:
         raise UserError(f"--workers {p.workers} is not a multiple of --tp {p.tp}")
     fit = min_workers_to_fit(p)
     workers = p.workers or fit or p.tp
+    check_batch(p, workers)
     mem = per_worker(p, workers)
     dp = workers // p.tp
     s = p.seq_len or p.args.max_seq_len
@@ -246,6 +272,15 @@ def plan(p: PlanInput) -> Plan:
 
 def _notes(p: PlanInput, r: Plan) -> list[str]:
     notes = []
+    dp = max(1, r.workers // p.tp)
+    if p.strategy == "fsdp" and dp > 1 and (accum := accumulation(p, dp)) > 1:
+        other = replace(p, unsharded_accumulation=not p.unsharded_accumulation)
+        held, sharded = (p, other) if p.unsharded_accumulation else (other, p)
+        extra = per_worker(held, r.workers).grad_bytes - per_worker(sharded, r.workers).grad_bytes
+        saved = comm_bytes(sharded, r.workers, p.codec) - comm_bytes(held, r.workers, p.codec)
+        notes.append(f"{'with' if p.unsharded_accumulation else 'without'} parallel.fsdp_unsharded_accumulation: "
+                     f"holding whole gradients over the {accum} micro-batches costs {extra / GB:,.2f} GB more per "
+                     f"worker and sends {saved / GB:,.2f} GB less per step")
     if not r.fits:
         need = "never fits with ddp (it does not shard)" if p.strategy == "ddp" else (
             f"needs at least {r.min_workers_to_fit} workers" if r.min_workers_to_fit else "does not fit at any size")
@@ -287,6 +322,31 @@ def scenario_notes(name: str) -> list[str]:
             f"fewer tokens (fine-tuning, or an undertrained model) or a far higher sustained rate",
         ]
     raise UserError(f"unknown scenario '{name}': use 24t-2048 or 70b-24h")
+
+
+def feasible_batch(p: PlanInput, scenario: str) -> tuple[PlanInput, list[str]]:
+    """A scenario's input with the smallest global batch its workers can take, and what that changes.
+
+    A published scenario may name a global batch smaller than its data-parallel width (every worker
+    needs a whole micro-batch); it is planned with the smallest batch that feeds every worker, and
+    the note compares it with keeping the batch on as many workers as it can feed."""
+    if p.global_batch is None or p.workers is None:
+        return p, []
+    dp = max(1, p.workers // p.tp)
+    if p.global_batch >= p.micro_batch * dp:
+        return p, []
+    bigger = replace(p, global_batch=p.micro_batch * dp)
+    kept = replace(p, workers=max(1, p.global_batch // p.micro_batch) * p.tp)
+    a, b = plan(bigger), plan(kept)
+    s = p.seq_len or p.args.max_seq_len
+    note = (f"{scenario}: its global batch of {p.global_batch:,} sequences cannot feed {dp:,} data-parallel workers "
+            f"({p.global_batch / dp:.3g} a worker); planned with the smallest batch that feeds them all, "
+            f"{bigger.global_batch:,} sequences ({bigger.global_batch * s / 1e6:,.1f} M tokens a step, "
+            f"{bigger.global_batch / p.global_batch:.0f}x): a step takes {a.step_time_s:,.2f} s")
+    if a.days_to_train is not None and b.days_to_train is not None:
+        note += (f" and the tokens {a.days_to_train:,.1f} days, if a batch that large trains as well per token; "
+                 f"keeping {p.global_batch:,} sequences on {kept.workers:,} workers takes {b.days_to_train:,.1f} days")
+    return bigger, [note]
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {

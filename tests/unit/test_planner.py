@@ -132,3 +132,29 @@ def test_shape_from_sizes():
     with pytest.raises(UserError, match="give --model, or --layers and --hidden"):
         shape(None, 10**9)
     assert SHAPES["24t"].n_layers == 542
+
+
+def test_fsdp_accumulation_keeps_gradients_sharded_unless_asked_and_prints_the_cost():
+    args, n = shape("70b")
+    sharded = plan(PlanInput(args, n, strategy="fsdp", workers=64, micro_batch=1, global_batch=256))
+    held = plan(PlanInput(args, n, strategy="fsdp", workers=64, micro_batch=1, global_batch=256,
+                          unsharded_accumulation=True))
+    assert sharded.per_worker.grad_bytes == int(4 * n / 64)  # P x 4 / N
+    assert held.per_worker.grad_bytes - sharded.per_worker.grad_bytes == pytest.approx(4 * n, rel=1e-6)
+    # 4 reduce-scatters of fp32 gradients a step instead of 1: 3 x (N-1)/N x 4P more bytes.
+    assert sharded.comm_bytes_per_step - held.comm_bytes_per_step == pytest.approx(3 * 63 / 64 * 4 * n, rel=1e-6)
+    assert any("parallel.fsdp_unsharded_accumulation" in note and "275.9" in note for note in sharded.notes)
+
+
+def test_a_global_batch_smaller_than_the_data_parallel_width_is_refused_and_scenarios_pick_a_feasible_one():
+    args, n = shape("70b")
+    with pytest.raises(UserError, match="cannot feed 64 data-parallel workers"):
+        plan(PlanInput(args, n, workers=64, global_batch=32))
+    with pytest.raises(UserError, match="use a multiple of 64"):
+        plan(PlanInput(args, n, workers=64, global_batch=100))
+    proc = run_cs3(["plan", "--scenario", "70b-24h", "--json"], check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["workers"] == 18432 and out["tokens_per_step"] == 18432 * 4096
+    assert any("cannot feed 18,432 data-parallel workers" in note and "1,024 workers" in note for note in out["notes"])
+    refused = run_cs3(["plan", "--model", "70b", "--workers", "64", "--global-batch", "32"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and "cannot feed 64" in refused.stderr
