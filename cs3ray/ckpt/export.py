@@ -48,7 +48,7 @@ def export(run_or_ckpt: str, out: str, fmt: str = "safetensors", options: dict |
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format '{fmt}': use one of {', '.join(FORMATS)}.")
     if fmt == "hf":
-        from .hf_export import export_hf  # it builds on consolidated_model below
+        from .hf_export import export_hf  # streamed a tensor at a time: no consolidated model
 
         return export_hf(run_or_ckpt, out, options, dtype, replicas=replicas, stored_replicas=stored_replicas)
     extra = {"tokenizer.json": b""}

@@ -5,7 +5,6 @@ Only data is read (config.json, tokenizer.json, safetensors): never pickles, nev
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,60 +12,30 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from cs3ray.config import build_config, resolve_run, to_yaml
 from cs3ray.models import ByteTokenizer, ModelArgs, Tokenizer, load_tokenizer
-from cs3ray.models.hf_llama import SHAPE_FIELDS, HFModelError, from_hf, model_fields, read_config, tokenizer_from_hf
-from cs3ray.names import check_name
-from cs3ray.storage import Storage, is_remote, open_url
+from cs3ray.models.hf_llama import (
+    SHAPE_FIELDS,
+    HFModelError,
+    _rotary_rows,  # the one definition of the rotary row order, shared with from_hf/to_hf
+    from_hf,
+    model_fields,
+    names,
+    read_config,
+    tokenizer_from_hf,
+)
+from cs3ray.storage import Storage, open_url
 
 from .locations import list_steps
 from .manager import CheckpointManager
+from .safetensors_io import INDEX, SafetensorsDir
 
 log = logging.getLogger(__name__)
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def read_tensors(storage: Storage) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory's model.safetensors, or of the shards its index names, as fp32."""
-    if storage.exists(INDEX):
-        try:
-            weight_map = json.loads(storage.read_text(INDEX))["weight_map"]
-            names = list(weight_map.values())
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise HFModelError(f"'{storage.url}/{INDEX}' is not a valid safetensors index (no weight_map).") from None
-        # Shard names are any file name Hugging Face tools chose, but never a path out of the directory.
-        files = sorted({check_name(name, f"'{storage.url}/{INDEX}'", HFModelError, ours=False) for name in names})
-        for name in files:
-            if not storage.exists(name):
-                raise HFModelError(f"'{storage.url}' lacks the shard '{name}' that {INDEX} names.")
-    elif storage.exists(SINGLE):
-        files = [SINGLE]
-    else:
-        raise HFModelError(f"'{storage.url}' has neither {SINGLE} nor {INDEX}; cs3ray reads safetensors weights "
-                           "only (never pickled .bin files).")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(_read_file(storage, name))
-    return tensors
-
-
-def _read_file(storage: Storage, name: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load
-
-    try:
-        if is_remote(storage.url):
-            raw = load(storage.read_bytes(name))
-        else:  # memory-mapped: one tensor at a time is copied
-            with safe_open(storage.path(name), "pt") as f:
-                raw = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise HFModelError(f"'{storage.url}/{name}' is not a readable safetensors file ({str(exc)[:120]}).") from None
-    # fp32 master weights, as training keeps them (bf16/fp16 files widen exactly).
-    return {k: v.float() if v.is_floating_point() else v for k, v in raw.items()}
+__all__ = ["INDEX", "HFWeights", "import_hf", "load_hf_weights", "read_fields", "read_state"]
 
 
 def read_fields(storage: Storage) -> dict[str, Any]:
@@ -74,10 +43,58 @@ def read_fields(storage: Storage) -> dict[str, Any]:
     return model_fields(read_config(storage.url, storage.options), f"'{storage.url}/config.json'")
 
 
-def read_state(storage: Storage, fields: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The cs3ray state dict of a Hugging Face Llama directory whose config gave `fields`."""
-    args = ModelArgs(**{k: fields[k] for k in SHAPE_FIELDS})
-    return from_hf(read_tensors(storage), args, f"'{storage.url}'")
+def _args(fields: dict[str, Any]) -> ModelArgs:
+    return ModelArgs(**{k: fields[k] for k in SHAPE_FIELDS})
+
+
+class HFWeights:
+    """The weights of a Hugging Face Llama directory, by cs3ray name, read a slice at a time.
+
+    Names and shapes are checked against the config from the safetensors headers before a byte of
+    weights is read (extra, missing or misshapen tensors are refused as from_hf refuses them).
+    """
+
+    def __init__(self, storage: Storage, fields: dict[str, Any]) -> None:
+        self.args, self.source = _args(fields), f"'{storage.url}'"
+        self.files = SafetensorsDir(storage)
+        tie = self.args.tie_embeddings
+        # from_hf on shapes alone (meta tensors): its name and shape checks without the data; a tied lm_head
+        # is compared with the embedding row by row as it is read (check_tie).
+        meta = {name: torch.empty(e.shape, device="meta") for name, e in self.files.entries.items()
+                if not (tie and name == "lm_head.weight")}
+        self.shapes = {k: tuple(v.shape) for k, v in from_hf(meta, self.args, self.source).items()}
+        self.hf = {cs: hf for hf, cs in names(self.args).items()}
+        if tie:
+            self.hf["output.weight"] = self.hf["tok_emb.weight"]
+
+    def read_into(self, key: str, out: torch.Tensor, offset: tuple[int, ...]) -> None:
+        """out <- the slice of tensor `key` (a cs3ray name) at `offset`, in out's dtype and device."""
+        hf = self.hf[key]
+        if key.endswith(("wq.weight", "wk.weight")):
+            # Rows are reordered within each head (cs3ray pairs rotary dimensions): read whole heads.
+            hd = self.args.head_dim
+            self.files.read_into(hf, out, offset, hd, lambda rows: _rotary_rows(rows, rows.shape[0] // hd, True))
+        else:
+            self.files.read_into(hf, out, offset)
+        if self.args.tie_embeddings and hf == "model.embed_tokens.weight" and "lm_head.weight" in self.files.entries \
+                and not self.files.equal_rows(hf, "lm_head.weight", offset[0], offset[0] + out.shape[0]):
+            raise HFModelError(f"{self.source} sets tie_word_embeddings but holds an lm_head.weight different from "
+                               "the embedding.")
+
+
+def read_state(storage: Storage, fields: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The cs3ray state dict of a Hugging Face Llama directory whose config gave `fields`, in `dtype` (fp32:
+    the master weights training keeps; bf16/fp16 files widen exactly), read a block at a time."""
+    weights = HFWeights(storage, fields)
+    state: dict[str, torch.Tensor] = {}
+    for key, shape in weights.shapes.items():
+        if key == "output.weight" and weights.args.tie_embeddings:
+            continue
+        state[key] = torch.empty(shape, dtype=dtype)
+        weights.read_into(key, state[key], (0,) * len(shape))
+    if weights.args.tie_embeddings:
+        state["output.weight"] = state["tok_emb.weight"]
+    return state
 
 
 def _tokenizer(storage: Storage, path: str | None, vocab: int, note: Callable[[str], None]) -> tuple[Tokenizer, str]:
@@ -122,21 +139,36 @@ def import_hf(src: str, run: str, options: dict | None = None, tokenizer: str | 
             "tokenizer": tok.describe()}
 
 
+def _local(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The part of a state-dict tensor this rank holds (its DTensor shard, else all of it) and where it starts."""
+    if not isinstance(value, DTensor):
+        return value, (0,) * value.dim()
+    local = value.to_local()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(shape) != tuple(local.shape):  # a shard that is not one box of the tensor: nothing cs3ray builds
+        raise HFModelError(f"a shard of shape {tuple(local.shape)} is not the {tuple(shape)} its placements "
+                           f"{value.placements} describe.")
+    return local, tuple(offset)
+
+
 def load_hf_weights(model: nn.Module, src: str, options: dict | None = None) -> dict[str, Any]:
     """train.init_from=hf:DIR: the directory's weights into a freshly built (and parallelized) model, in place.
 
-    Every rank reads the whole model and keeps the part it holds (FSDP/TP shards, a pipeline stage).
+    Each rank reads only the rows and columns of the tensors it holds (FSDP/TP shards, a pipeline stage),
+    in the model's dtype, straight into its parameters: the model plus a block of rows at a time.
     """
     storage = open_url(src, options)
-    state = read_state(storage, read_fields(storage))
-    wanted = get_model_state_dict(model)
+    weights = HFWeights(storage, read_fields(storage))
+    wanted = get_model_state_dict(model)  # the parameters themselves (sharded DTensors under FSDP2/TP)
     for key, value in wanted.items():
-        if key not in state:
+        if key not in weights.shapes:
             raise HFModelError(f"the Hugging Face model '{storage.url}' has no tensor for '{key}'.")
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise HFModelError(f"tensor '{key}' of '{storage.url}' has shape {tuple(state[key].shape)}, the model "
+        if weights.shapes[key] != tuple(value.shape):
+            raise HFModelError(f"tensor '{key}' of '{storage.url}' has shape {weights.shapes[key]}, the model "
                                f"{tuple(value.shape)}: leave the model fields unset to take the directory's.")
-    set_model_state_dict(model, {k: state[k] for k in wanted},
-                         options=StateDictOptions(full_state_dict=True, strict=True))
+    with torch.no_grad():
+        for key, value in wanted.items():
+            local, offset = _local(value)
+            weights.read_into(key, local, offset)
     log.info("initialized weights from Hugging Face model %s", storage.url)
     return {"step": 0, "url": storage.url}
