@@ -137,10 +137,25 @@ def compress_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
 @app.command("comm", epilog=EXIT_CODES)
 @user_errors
 def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help="Rate of the emulated link, Gb/s."),
-             quick: bool = typer.Option(False, "--quick", help="Sizes 4 and 16 MiB, codecs at 16 MiB (about a minute)."),
+             ranks: Optional[str] = typer.Option(None, "--ranks", help="Rank counts such as 2,4,8,16: only the "
+                                                 "table of bytes and messages per rank against each collective's "
+                                                 "formula (gloo processes on this machine, small buffers)."),
+             quick: bool = typer.Option(False, "--quick", help="Sizes 4 and 16 MiB, codecs at 16 MiB (about a minute); "
+                                        "with --ranks, 256 KiB buffers and 5 repetitions."),
              as_json: bool = JsonOpt) -> None:
     """Gradient transports between 2 ranks, on loopback and over an emulated link (2 network namespaces, a veth
-    pair shaped with tc; needs root): point-to-point, gloo vs cs3ray all-reduce busbw, shared memory, codecs."""
+    pair shaped with tc; needs root): point-to-point, gloo vs cs3ray all-reduce busbw, shared memory, codecs.
+    With --ranks: per rank count, each collective's bytes and messages per rank against its formula."""
+    if ranks is not None:
+        from cs3ray.bench import comm_scale
+
+        counts = comm_scale.parse_ranks(ranks)
+        r = measured("comm", comm_scale.run, counts, quick=quick,
+                     log=lambda line: err_console.print(line, highlight=False))
+        verdict = "met" if r["met"] else "not met: " + "; ".join(r["not_met"])
+        emit(f"collectives as ranks grow (gloo, loopback; bytes within {r['bytes_tolerance']:.0%} of the formula, "
+             f"compressed messages <= a ring's: {verdict})", comm_scale.COLUMNS, comm_scale.rows(r), r, as_json)
+        return
     from cs3ray.bench import comm as comm_bench
 
     r = measured("comm", comm_bench.run, quick=quick, link_gbps=link_gbps,

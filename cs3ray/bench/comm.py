@@ -53,14 +53,16 @@ def _plan(quick: bool, shm: bool) -> dict[str, Any]:
             "codec_mib": QUICK_CODEC_MIB if quick else CODEC_MIB, "codecs": list(CODECS), "shm": shm}
 
 
-def _run_ranks(plan: dict[str, Any], link: netns.Link | None) -> dict[str, Any]:
-    """Start the two ranks (in the link's namespaces, or on loopback) and return rank 0's raw result."""
+def _run_ranks(plan: dict[str, Any], link: netns.Link | None, world: int = WORLD,
+               module: str = "cs3ray.bench.comm_rank") -> dict[str, Any]:
+    """Start `world` rank processes of `module` (in the link's namespaces, or on loopback) and return rank 0's
+    raw result, or the first rank's error."""
     with tempfile.TemporaryDirectory(prefix="cs3-bench-comm-") as tmp:
         port = LINK_PORT if link else free_port()
         procs, logs = [], []
-        for rank in range(WORLD):
-            cmd = [*(link.exec_prefix(rank) if link else []), sys.executable, "-m", "cs3ray.bench.comm_rank",
-                   "--rank", str(rank), "--world", str(WORLD), "--addr", netns.ADDRS[0] if link else "127.0.0.1",
+        for rank in range(world):
+            cmd = [*(link.exec_prefix(rank) if link else []), sys.executable, "-m", module,
+                   "--rank", str(rank), "--world", str(world), "--addr", netns.ADDRS[0] if link else "127.0.0.1",
                    "--port", str(port), "--ifname", link.dev[rank] if link else "lo", "--plan", json.dumps(plan),
                    "--out", os.path.join(tmp, f"rank{rank}.json")]
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")

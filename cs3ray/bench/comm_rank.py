@@ -101,8 +101,8 @@ def measure(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Join the 2-rank gloo group, measure, write the result (rank 0) or the error."""
+def main(argv: list[str] | None = None, measure: Callable[[dict[str, Any]], dict[str, Any]] = measure) -> int:
+    """Join the gloo group, run `measure` on the plan, write the result (rank 0) or the error."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, default=2)
