@@ -76,18 +76,24 @@ def export_hf(run_or_ckpt: str, out: str, options: dict | None = None, dtype: to
     tensors = TensorStream(ckpt, metadata)
 
     def blocks(hf: str) -> Iterator[torch.Tensor]:
-        # One stored tensor at a time, reordered (q/k: whole heads) and cast a block of rows at a time.
+        # One stored tensor at a time, reordered (q/k: whole heads) and cast a block of rows at a time into one
+        # reused buffer (the writer takes each block before the next is made): no allocation churn per block.
         cs = hf_names[hf]
         t = tensors.read(cs)
         heads = args.n_heads if cs.endswith("wq.weight") else args.kv_heads if cs.endswith("wk.weight") else 0
         group = args.head_dim if heads else 1
         row = max(1, math.prod(t.shape[1:]) * t.element_size())
         per = max(group, BLOCK_BYTES // row // group * group)
+        want = dtype or t.dtype
+        buf = None if want == t.dtype and not heads else torch.empty((min(per, t.shape[0]), *t.shape[1:]), dtype=want)
         for lo in range(0, t.shape[0], per):
             rows = t[lo:lo + per]
             if heads:
                 rows = _rotary_rows(rows, rows.shape[0] // group, to_pairs=False)
-            yield rows.to(dtype or t.dtype).contiguous()
+            if buf is None:
+                yield rows.contiguous()
+            else:
+                yield buf[:rows.shape[0]].copy_(rows)
 
     shards = _shards(items, shard_bytes)
     weight_map, total, written = {}, 0, []

@@ -1,6 +1,8 @@
 """Hugging Face Llama in: a directory's safetensors weights into a cs3ray checkpoint at step 0, or into a model.
 
-Only data is read (config.json, tokenizer.json, safetensors): never pickles, never code.
+Only data is read (config.json, tokenizer.json, safetensors): never pickles, never code. Weights stream: a
+tensor's slice is read as byte ranges a block of rows at a time (cs3ray.ckpt.safetensors_io), so a rank reads
+only what it holds and never more than a block beyond it.
 """
 
 from __future__ import annotations
