@@ -21,6 +21,7 @@ from cs3ray.models.factory import count_parameters, model_from_config
 
 from . import parallel
 from .compress import CompressionHook
+from .fake import host_float
 from .freeze import apply_freeze
 from .grads import clip_grad_norm
 from .memory import owned_bytes, peak_step_memory
@@ -36,17 +37,21 @@ log = logging.getLogger(__name__)
 class ComputeCore:
     """Builds and steps one rank's shard of the model; every method is called on every rank."""
 
-    def __init__(self, cfg: JobConfig, device: torch.device, topology: Topology) -> None:
+    def __init__(self, cfg: JobConfig, device: torch.device, topology: Topology, mesh: Any = None) -> None:
+        """mesh: the topology's device mesh when the caller built it (a rehearsal builds it outside fake mode)."""
         self.cfg, self.device, self.topo = cfg, device, topology
         self.precision = resolve_precision(cfg.precision, device)
         p, t = cfg.parallel, cfg.train
         torch.manual_seed(t.seed)  # identical initial weights on every rank
-        model = model_from_config(cfg).to(device)
+        model = model_from_config(cfg)
+        if any(q.device != device for q in model.parameters()):
+            model = model.to(device)  # (a rehearsal's fake tensors cannot be swapped for themselves)
         self.n_params = count_parameters(model)
         # Freezing comes before any wrapping and before the optimizer: frozen parameters get
         # no gradient buckets and no optimizer state.
         self.frozen = apply_freeze(model, t.freeze)
-        mesh = topology.mesh(device.type) if dist.is_initialized() else None
+        if mesh is None and dist.is_initialized():
+            mesh = topology.mesh(device.type)
         self.mesh = mesh
         distributed = mesh is not None and topology.world > 1
         # The fixed order of parallelisms (see cs3ray.core.parallel).
@@ -152,7 +157,7 @@ class ComputeCore:
                 loss = self._forward_loss(x) / self.grad_accum
                 # The data-parallel mean of weighted losses is the global batch's mean (train.balance).
                 self.scaler.scale_loss(loss * self.sample_weight).backward()
-            total += float(loss.detach())
+            total += host_float(loss.detach())
         # This thread's CPU time, not the wall's: a wait for slower ranks in a collective is no work.
         self.busy_s += time.thread_time() - busy
         if self.fsdp and self.compression is not None:

@@ -12,6 +12,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from .fake import host_float
+
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients, identical on every rank."""
@@ -49,8 +51,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, counted: list[to
         squares = norm.pow(2)
         dist.all_reduce(squares, group=group)
         norm = squares.sqrt()
-    scale = max_norm / (float(norm) + 1e-6)
+    value = host_float(norm)
+    scale = max_norm / (value + 1e-6)
     if scale < 1.0:
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, scale)
-    return float(norm)
+    return value

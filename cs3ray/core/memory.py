@@ -15,13 +15,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of distinct local tensors (shared storage counted once)."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
     total = 0
     for t in tensors:
         if t is None:
             continue
         loc = _local(t)
-        key = (loc.data_ptr(), loc.numel())
+        # The storage's identity, not data_ptr(): fake tensors (a rehearsal) have no data to point at.
+        key = (loc.untyped_storage()._cdata, loc.storage_offset(), loc.numel())
         if key in seen or not loc.numel():
             continue
         seen.add(key)

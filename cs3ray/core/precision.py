@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from cs3ray.errors import UserError
 
+from .fake import host_bool
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRECISIONS = ("auto", *DTYPES)
 
@@ -96,11 +98,13 @@ class LossScaler:
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
         inv = 1.0 / self.scale
         torch._foreach_mul_(grads, inv)
-        finite_local = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-        bad = torch.tensor([0.0 if finite_local else 1.0], device=grads[0].device if grads else "cpu")
+        device = grads[0].device if grads else torch.device("cpu")
+        # 1 where any local gradient is inf/nan, computed where the gradients are: one value crosses to the host.
+        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float().reshape(1) if grads \
+            else torch.zeros(1, device=device)
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        finite = bad.item() == 0.0
+        finite = not host_bool(bad[0] != 0, fake=False)
         if finite:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:

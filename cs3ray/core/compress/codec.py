@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from ..fake import host_bool, is_fake
+
 BLOCK = 256  # values per absmax scale
 _local = threading.local()
 
@@ -104,7 +106,7 @@ def _quantize(x: torch.Tensor, levels: int, scales: torch.Tensor | None = None) 
     inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
     q = torch.mul(rows, inv[:, None], out=_scratch("q", rows.numel(), torch.float32).view_as(rows))
     tiny = scales < torch.finfo(torch.float32).tiny  # subnormal: an imprecise or infinite reciprocal
-    if bool(tiny.any()):
+    if host_bool(tiny.any(), fake=False):
         q[tiny] = (rows[tiny] / scales[tiny, None]).nan_to_num_(0.0).clamp_(-levels, levels)
     return q.round_(), scales
 
@@ -144,7 +146,8 @@ def _top_k(mag: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None
     falls back to the full top-k).
     """
     n = mag.numel()
-    if n > 4 * _SAMPLE and not bool(torch.isnan(mag.sum())):
+    # Fake tensors (a rehearsal) take the full top-k: the candidates' count is known only with values.
+    if n > 4 * _SAMPLE and not is_fake(mag) and not bool(torch.isnan(mag.sum())):
         # index_select: on the CPU it gathers faster than indexing with a tensor.
         sample = torch.index_select(mag, 0, torch.randint(0, n, (_SAMPLE,), generator=torch.Generator().manual_seed(0)))
         # Aim 2% and four standard errors of the sampled fraction above k, so a shortfall is rare.
@@ -323,7 +326,7 @@ class Int4SparseCodec(Codec):
                add: bool = False) -> torch.Tensor:
         k, scale_bytes, pos_bytes, bitmask = self._layout(n)
         if out is None:
-            out, add = torch.zeros(n, dtype=torch.float32), True
+            out, add = torch.zeros(n, dtype=torch.float32, device=payload.device), True
         elif not add:
             out.zero_()
         if k == 0:
@@ -331,7 +334,8 @@ class Int4SparseCodec(Codec):
         scales = payload[:scale_bytes].view(torch.float32)
         pos = payload[scale_bytes:scale_bytes + pos_bytes]
         if bitmask:
-            idx = _unpack_bits(pos)[:n].nonzero().squeeze(1)
+            # Exactly k positions are set: a static size also runs on fake tensors (a rehearsal).
+            idx = torch.nonzero_static(_unpack_bits(pos)[:n], size=k).squeeze(1)
         else:
             idx = pos.view(torch.int16 if n <= 2**15 else torch.int32).long()
         packed = payload[scale_bytes + pos_bytes:scale_bytes + pos_bytes + math.ceil(k / 2)]
