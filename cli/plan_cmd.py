@@ -47,12 +47,24 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
              unsharded_accumulation: bool = typer.Option(
                  False, "--unsharded-accumulation", help="fsdp: hold whole gradients across micro-batches and "
                  "reduce-scatter once a step (parallel.fsdp_unsharded_accumulation)."),
+             rehearse: bool = typer.Option(False, "--rehearse", help="Also run cs3ray's own training step at this "
+                                           "size on fake tensors (no memory used) and compare it with the plan."),
+             rehearse_layers: Optional[int] = typer.Option(
+                 None, "--rehearse-layers", min=2, help="With --rehearse: rehearse K and 2K blocks and extend to all "
+                 "of them (for shapes whose every block takes too long)."),
+             config: Optional[str] = typer.Option(None, "--config", help="With --rehearse: rehearse this job config "
+                                                  "(cluster.workers, or --workers) instead of the shape options."),
              tokens: Optional[float] = typer.Option(None, "--tokens", min=1, help="Tokens to train on (for days_to_train)."),
              mfu: float = typer.Option(0.4, "--mfu", min=0.001, max=1.0, help="Model FLOPs utilisation to assume."),
              as_json: bool = JsonOpt) -> None:
     """Plan a training run: bytes per worker, the fewest workers that fit, checkpoint size and write time,
     bytes sent per step (with and without a codec), step time, tokens/s and days to train."""
     notes: list[str] = []
+    if (rehearse_layers or config) and not rehearse:
+        raise UserError("--rehearse-layers and --config go with --rehearse")
+    if config is not None:
+        _rehearse_config(config, workers, rehearse_layers, as_json)
+        return
     if scenario is not None:
         if scenario not in SCENARIOS:
             raise UserError(f"unknown scenario '{scenario}': use one of {', '.join(SCENARIOS)}")
@@ -78,6 +90,12 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
         notes += batch_notes
     r = plan(given_input)
     r.notes = notes + r.notes
+    if rehearse:
+        from cs3ray.ops.rehearsal import plan_config, rehearse_scaled
+
+        rehearsal = rehearse_scaled(plan_config(given_input, r.workers), r.workers, rehearse_layers)
+        _show_rehearsal(rehearsal, r.to_dict(), as_json)
+        return
     w = r.per_worker
     table = Table("", "per worker", title=f"{model or 'custom'}: {r.params / 1e9:,.2f} B parameters, {r.strategy}, "
                                           f"tp {r.tp}, {r.precision}, {r.workers:,} workers")
@@ -100,3 +118,35 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
         shown.print(line, highlight=False)
     if as_json:
         print(json.dumps(r.to_dict()))
+
+
+ROWS = ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "residual_bytes", "activation_bytes",
+        "gather_bytes", "temporary_bytes", "total_bytes")
+
+
+def _rehearse_config(path: str, workers: Optional[int], layers: Optional[int], as_json: bool) -> None:
+    from cs3ray.config import load_config
+    from cs3ray.ops.rehearsal import rehearse_scaled
+
+    cfg = load_config(path)
+    _show_rehearsal(rehearse_scaled(cfg, workers or cfg.cluster.workers, layers), None, as_json)
+
+
+def _show_rehearsal(rehearsal: dict, planned: Optional[dict], as_json: bool) -> None:
+    """The rehearsal's bytes per worker, next to the plan's and their ratio when there is a plan."""
+    table = Table("per worker", "rehearsed", *(("planned", "plan / rehearsal") if planned else ()),
+                  title=f"rehearsal: {rehearsal['params'] / 1e9:,.2f} B parameters on {rehearsal['workers']:,} workers "
+                        f"(blocks rehearsed: {', '.join(map(str, rehearsal['layers_rehearsed']))}; "
+                        f"{rehearsal['rehearsal_s']:,.1f} s)")
+    rows = [(key, rehearsal["per_worker"][key], planned["per_worker"].get(key) if planned else None) for key in ROWS]
+    rows.append(("comm_bytes_per_step", rehearsal["comm_bytes_per_step"],
+                 planned["comm_bytes_per_step"] if planned else None))
+    for key, got, want in rows:
+        cells = [_gb(got)]
+        if planned:
+            cells += [_gb(want), f"{want / got:.2f}" if want is not None and got else "-"] if want is not None \
+                else ["-", "-"]
+        table.add_row(key, *cells)
+    (err_console if as_json else console).print(table)
+    if as_json:
+        print(json.dumps({**rehearsal, "plan": planned}))

@@ -1,0 +1,240 @@
+"""`cs3 plan --rehearse`: cs3ray's own training step at the target world size, on fake tensors.
+
+The method of torchtitan's memory estimator: a fake process group of the target size (torch's
+`FakeStore` backend, rank 0 of it) and `FakeTensorMode`, under which the real compute core
+(cs3ray.core.engine: the model, the parallelization, AdamW, loss scaling, compression) builds and
+runs whole steps, every micro-batch included. Fake tensors have shapes, dtypes and devices but
+no memory, so 70B on 64 workers runs on a laptop. Two dispatch-level observers watch the step:
+one records the bytes this rank's local tensors hold (the peak), one the bytes it hands to the
+process group (ring-equivalent bytes sent per collective).
+
+The figures are rank 0's: with FSDP every data-parallel rank holds the same shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cs3ray.config import JobConfig, load_config
+from cs3ray.core.engine import ComputeCore
+from cs3ray.core.mesh import Topology
+from cs3ray.errors import UserError
+
+from .planner import PlanInput, accumulation
+
+WORKERS_PER_NODE = 8  # the node size the rehearsal's topology assumes (GPU servers hold 8)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of storages created during tracking that are still alive, and their peak.
+
+    Storages are counted once each, from the tensors ops return (a DTensor's local shard), and
+    dropped when they are freed or resized (FSDP2 frees its gathered parameters by resizing
+    their storage to 0, which no op reports: `UntypedStorage.resize_` is wrapped meanwhile).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.current = self.peak = 0
+        self._orig_resize: Callable[..., Any] | None = None
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = _local(t).untyped_storage()
+        key = st._cdata
+        if key in self.sizes:
+            return
+        self.sizes[key] = st.nbytes()
+        self.current += self.sizes[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self.sizes.pop(key, 0)
+
+    def _resized(self, st: torch.UntypedStorage, size: int) -> None:
+        key = st._cdata
+        if key in self.sizes:
+            self.current += size - self.sizes[key]
+            self.sizes[key] = size
+            self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> "LiveBytes":
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            tracker._resized(st, size)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def _group_size(args: tuple) -> int:
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(a).size()
+            except RuntimeError:
+                continue  # a ReduceOp or options, not the group
+    return 1
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+class SentBytes(TorchDispatchMode):
+    """Bytes this rank sends per collective handed to the process group, as a ring moves them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+        self.largest_gather = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        if func.namespace == "c10d":
+            name, n = func._opname, _group_size(args)
+            sent = 0
+            if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
+                sent = (n - 1) * _nbytes(args[1])  # the input: this rank's shard, to every other rank
+                self.largest_gather = max(self.largest_gather, _nbytes(args[0]))
+            elif name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
+                sent = (n - 1) * _nbytes(args[0])  # (N-1)/N of the input: N-1 chunks of the output's size
+            elif name == "allreduce_":
+                sent = round(2 * (n - 1) / n * _nbytes(args[0]))
+            elif name in ("send", "broadcast_"):
+                sent = _nbytes(args[0])
+            elif name == "alltoall_base_":
+                sent = round((n - 1) / n * _nbytes(args[1]))
+            if sent:
+                self.by_op[name] = self.by_op.get(name, 0) + sent
+        return func(*args, **(kwargs or {}))
+
+
+def check_supported(cfg: JobConfig) -> None:
+    p = cfg.parallel
+    if p.strategy != "fsdp" or p.tp > 1 or p.pp > 1:
+        raise UserError("--rehearse runs parallel.strategy=fsdp with tp 1 and pp 1 so far: DDP's gradient reducer "
+                        "(ddp, zero1) needs real memory, and tensor and pipeline parallelism read tensor values "
+                        "while they set up; plan those with the formulas (without --rehearse)")
+
+
+def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
+    """Rank 0's bytes in `steps` steps of `cfg` on `workers` workers; the last step is the one measured."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    check_supported(cfg)
+    if dist.is_initialized():
+        raise UserError("--rehearse needs a process without a process group of its own")
+    started = time.time()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=workers)
+    try:
+        nodes = tuple(f"n{r // WORKERS_PER_NODE}" for r in range(workers))
+        topo = Topology(0, workers, cfg.parallel.tp, nodes, cfg.parallel.pp)
+        mesh = topo.mesh("cpu")  # outside fake mode: the mesh's own tensors are read
+        batch = np.zeros((cfg.train.batch_size, cfg.train.seq_len + 1), dtype=np.int64)
+        live, sent = LiveBytes(), SentBytes()
+        forward: list[int] = []  # live bytes before the model's forward, then what it added (activations)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with live:
+                core = ComputeCore(cfg, torch.device("cpu"), topo, mesh=mesh)
+            core.model.register_forward_pre_hook(lambda *_: forward.append(live.current))
+            core.model.register_forward_hook(lambda *_: forward.append(live.current - forward.pop()))
+            if core.compression is not None:
+                core.compression.steps = cfg.compression.warmup_steps  # rehearse a compressed step
+            for i in range(steps):
+                measured = i == steps - 1
+                forward.clear()
+                with live, sent if measured else contextlib.nullcontext():
+                    live.reset_peak()
+                    core.step(lambda: batch, lr=cfg.train.lr)
+        owned = core.memory()
+        held = {"param_bytes": owned["param_bytes"], "grad_bytes": owned["grad_bytes"],
+                "optimizer_bytes": owned["optim_bytes"], "residual_bytes": owned["residual_bytes"],
+                "activation_bytes": max(forward, default=0)}
+        return {"workers": workers, "params": core.n_params, "rehearsal_s": round(time.time() - started, 1),
+                "per_worker": {**held, "model_state_bytes": held["param_bytes"] + held["grad_bytes"]
+                               + held["optimizer_bytes"], "gather_bytes": sent.largest_gather,
+                               # The rest of the peak: gathered parameters and their gradients, the loss's
+                               # fp32 logits, collective and optimizer buffers (if positive at the peak).
+                               "temporary_bytes": max(0, live.peak - sum(held.values())),
+                               "total_bytes": live.peak},
+                "comm_bytes_per_step": sum(sent.by_op.values()), "comm_bytes_by_op": sent.by_op}
+    finally:
+        dist.destroy_process_group()
+
+
+def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> dict[str, Any]:
+    """rehearse(), or with `layers` fewer than the model's: rehearsals of `layers` and 2 x `layers` blocks,
+    every figure extended linearly to all blocks (each block adds the same bytes)."""
+    total = cfg.model.args().n_layers
+    if layers is None or layers * 2 > total:
+        return {**rehearse(cfg, workers), "layers_rehearsed": [total]}
+    runs = [rehearse(cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_layers": k})}), workers)
+            for k in (layers, 2 * layers)]
+
+    def extend(a: int, b: int) -> int:
+        return round(a + (b - a) / layers * (total - layers))
+
+    out = {**runs[1], "layers_rehearsed": [layers, 2 * layers],
+           "rehearsal_s": round(runs[0]["rehearsal_s"] + runs[1]["rehearsal_s"], 1)}
+    out["per_worker"] = {k: extend(runs[0]["per_worker"][k], v) for k, v in runs[1]["per_worker"].items()}
+    out["comm_bytes_per_step"] = extend(runs[0]["comm_bytes_per_step"], runs[1]["comm_bytes_per_step"])
+    out["comm_bytes_by_op"] = {k: extend(runs[0]["comm_bytes_by_op"].get(k, 0), v)
+                               for k, v in runs[1]["comm_bytes_by_op"].items()}
+    out["params"] = extend(runs[0]["params"], runs[1]["params"])
+    return out
+
+
+def plan_config(p: PlanInput, workers: int) -> JobConfig:
+    """The job config a plan's inputs describe: the shape, precision, layout, batch and codec."""
+    a, dp = p.args, max(1, workers // p.tp)
+    overrides = {
+        "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads,
+        "model.ffn_dim": a.ffn_dim, "model.vocab_size": a.vocab_size, "model.max_seq_len": a.max_seq_len,
+        "model.rope_theta": a.rope_theta, "model.tie_embeddings": str(a.tie_embeddings).lower(),
+        "precision": p.precision, "parallel.strategy": p.strategy, "parallel.tp": p.tp,
+        "parallel.fsdp_unsharded_accumulation": str(p.unsharded_accumulation).lower(),
+        "compression.codec": p.codec, "compression.density": p.density,
+        "compression.error_feedback": str(p.error_feedback).lower(), "cluster.workers": workers,
+        "train.seq_len": p.seq_len or a.max_seq_len, "train.batch_size": p.micro_batch,
+        "train.grad_accum": accumulation(p, dp), "train.activation_checkpointing": str(p.activation_checkpointing).lower(),
+    }
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
