@@ -38,6 +38,7 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
              write_bandwidth: float = typer.Option(2.0, "--write-bandwidth", min=0.001, help="Storage write bandwidth of one worker, GB/s."),
              strategy: str = typer.Option("fsdp", "--strategy", help="ddp, zero1 or fsdp."),
              tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree."),
+             pp: int = typer.Option(1, "--pp", min=1, help="Pipeline stages (a 1f1b schedule; workers = dp x tp x pp)."),
              codec: str = typer.Option("none", "--codec", help="Gradient compression: none, bf16, int8, int4_sparse."),
              density: float = typer.Option(0.1, "--density", min=0.0001, max=1.0, help="int4_sparse: share of values sent."),
              seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Tokens per sequence (default: the shape's context)."),
@@ -80,7 +81,7 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
         raise UserError(f"unknown codec '{codec}': use none, bf16, int8 or int4_sparse")
     args, count = shape(model, int(params) if params else None, layers, hidden, heads, kv_heads, ffn, vocab,
                         seq_len or 4096)
-    given_input = PlanInput(args, count, precision=precision, strategy=strategy, tp=tp, workers=workers,
+    given_input = PlanInput(args, count, precision=precision, strategy=strategy, tp=tp, pp=pp, workers=workers,
                             device_mem_gb=device_mem, tflops=flops, bandwidth_gbs=bandwidth, codec=codec,
                             density=density, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                             activation_checkpointing=ac, unsharded_accumulation=unsharded_accumulation,
@@ -98,7 +99,7 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
         return
     w = r.per_worker
     table = Table("", "per worker", title=f"{model or 'custom'}: {r.params / 1e9:,.2f} B parameters, {r.strategy}, "
-                                          f"tp {r.tp}, {r.precision}, {r.workers:,} workers")
+                                          f"tp {r.tp}, pp {r.pp}, {r.precision}, {r.workers:,} workers")
     for label, value in (("parameters (fp32)", w.param_bytes), ("gradients (fp32)", w.grad_bytes),
                          ("optimizer (AdamW, fp32)", w.optimizer_bytes), ("model state", w.model_state_bytes),
                          ("compression residuals", w.residual_bytes), ("activations", w.activation_bytes),

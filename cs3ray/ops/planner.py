@@ -5,10 +5,10 @@ stay fp32 whatever precision computes (autocast over fp32 master weights) and Ad
 fp32 moments, so a parameter costs 4 + 4 + 8 = 16 bytes, as mixed-precision Adam does in the
 ZeRO paper (which splits it 2 + 2 + 12). The strategies divide them as cs3ray's do: ddp keeps
 all of it on every worker, zero1 shards the optimizer state, fsdp shards all three; tensor
-parallelism divides everything by tp first. Activation bytes are an estimate (Korthikanti et
-al., "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4, without the
-s x s attention scores that fused attention kernels never keep), and so
-are times: they follow from the FLOPs, the MFU and the bandwidth you give.
+parallelism divides everything by tp first, pipeline stages hold their share of the blocks.
+Activation bytes are counted from cs3ray's own block under its precision policy (what each op
+keeps for backward, see `_block_bytes_per_token`), and `cs3 plan --rehearse` checks them against
+the real step on fake tensors; times follow from the FLOPs, the MFU and the bandwidth you give.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class PlanInput:
     precision: str = "bf16"
     strategy: str = "fsdp"
     tp: int = 1
+    pp: int = 1  # pipeline stages (parallel.pp), each a 1f1b schedule over pp micro-batches
     workers: int | None = None
     device_mem_gb: float = 80.0
     tflops: float | None = None
@@ -58,6 +59,11 @@ class PlanInput:
     mfu: float = 0.4
     write_gbs: float = 2.0  # storage write bandwidth of one worker, GB/s
     model: str | None = None
+
+    @property
+    def mp(self) -> int:
+        """Workers that split one model replica (tensor x pipeline parallel); data parallelism multiplies them."""
+        return self.tp * self.pp
 
 
 @dataclass
@@ -79,6 +85,7 @@ class Plan:
     precision: str
     strategy: str
     tp: int
+    pp: int
     workers: int
     fits: bool
     per_worker: PerWorker
@@ -133,23 +140,31 @@ def accumulation(p: PlanInput, dp: int) -> int:
 
 def check_batch(p: PlanInput, workers: int) -> None:
     """One UserError when the global batch cannot be split into whole micro-batches over the workers."""
-    dp = max(1, workers // p.tp)
+    dp = max(1, workers // p.mp)
     if p.global_batch is None:
         return
     per_step = p.micro_batch * dp
     if p.global_batch < per_step:
         raise UserError(f"a global batch of {p.global_batch:,} sequences cannot feed {dp:,} data-parallel workers "
                         f"{p.micro_batch} sequence(s) each ({p.global_batch / dp:.3g} a worker): use at least "
-                        f"{per_step:,}, or at most {max(1, p.global_batch // p.micro_batch) * p.tp:,} workers")
+                        f"{per_step:,}, or at most {max(1, p.global_batch // p.micro_batch) * p.mp:,} workers")
     if p.global_batch % per_step:
         raise UserError(f"a global batch of {p.global_batch:,} sequences is not a whole number of micro-batches of "
                         f"{p.micro_batch} over {dp:,} data-parallel workers: use a multiple of {per_step:,}")
 
 
+def _stage_share(p: PlanInput) -> float:
+    """The share of the parameters one pipeline stage holds: its blocks and the embedding or output layer."""
+    if p.pp == 1:
+        return 1.0
+    a = p.args
+    return min(1.0, (math.ceil(a.n_layers / p.pp) * _block_params(a) + a.vocab_size * a.dim) / param_count(a))
+
+
 def per_worker(p: PlanInput, workers: int) -> PerWorker:
     """Bytes one worker holds at the peak of a step with `workers` workers in all."""
-    dp = max(1, workers // p.tp)
-    shard = p.params / p.tp  # what one tensor-parallel rank owns before data-parallel sharding
+    dp = max(1, workers // p.mp)
+    shard = p.params * _stage_share(p) / p.tp  # what one model-parallel rank owns before data-parallel sharding
     param = shard / dp if p.strategy == "fsdp" else shard
     grad = shard / dp if p.strategy == "fsdp" else shard
     if p.strategy == "fsdp" and p.unsharded_accumulation and dp > 1 and accumulation(p, dp) > 1:
@@ -163,28 +178,82 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
         # chunk under ddp/zero1, for the other ranks' chunks under fsdp (see compression.error_feedback).
         residual = int(4 * shard * ((dp - 1) / dp if p.strategy == "fsdp" else 1))
     # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
-    gather = 0
+    e, gather, transient = ELEMENT_BYTES[p.precision], 0, _loss_bytes(p)
     if p.strategy == "fsdp" and dp > 1:
-        unit = max(_block_params(p.args), p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2))
-        gather = int(unit / p.tp * (ELEMENT_BYTES[p.precision] + 4))
+        unit = max(_block_params(p.args), p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2)) / p.tp
+        gather = int(unit * (e + 4))
+        # Early in the backward: the unit computed and the one prefetched, gathered, and one unit's
+        # gradients in the compute dtype and in fp32 for the reduce-scatter.
+        transient = unit * (2 * e + 4)
+    if p.activation_checkpointing:
+        transient += _recompute_bytes(p)
     act = activation_bytes(p)
     state = param + grad + optim
-    return PerWorker(param, grad, optim, state, residual, act, gather, state + residual + act + gather)
+    # The peak comes early in the backward, nearly every activation still held. Gradients count
+    # where they outlive a step (DDP's buckets) or a micro-batch.
+    held_grad = grad if p.strategy != "fsdp" or accumulation(p, dp) > 1 else 0
+    peak = param + optim + residual + max(act + transient + held_grad, grad + gather)
+    return PerWorker(param, grad, optim, state, residual, act, gather, int(peak))
+
+
+def _block_bytes_per_token(p: PlanInput) -> float:
+    """Bytes one block keeps for backward per token, counted from cs3ray's block (`models/transformer.py`).
+
+    Width h, SwiGLU width f: the two RMSNorms (replicated under tensor parallelism) keep their fp32
+    input and output and the input of the projections after them; attention keeps q, k, v (k and v
+    expanded to every head), its output and the output projection's input; the MLP keeps four
+    f-wide tensors. Under autocast (ddp, zero1) the residual stream stays fp32 and every projection
+    keeps its own 16-bit cast of its input; FSDP2 computes in the 16-bit parameters' dtype instead.
+    """
+    a = p.args
+    h, f = a.dim, a.ffn_dim
+    if p.precision == "fp32":
+        replicated, sharded = 24 * h, 20 * h + 16 * f
+    elif p.strategy == "fsdp":
+        replicated, sharded = 16 * h, 10 * h + 8 * f
+    else:
+        replicated, sharded = 26 * h, 10 * h + 8 * f
+    return replicated + (sharded + 4 * a.n_heads) / p.tp + 8  # + fp32 attention log-sum-exp and norm scales
+
+
+def _residual_element_bytes(p: PlanInput) -> int:
+    return 2 if p.strategy == "fsdp" and p.precision != "fp32" else 4
 
 
 def activation_bytes(p: PlanInput) -> int:
-    """Activations kept for backward by one worker's micro-batch (an estimate, see the module doc)."""
-    a, s, b = p.args, p.seq_len or p.args.max_seq_len, p.micro_batch
+    """What one worker's forward adds until its backward starts: activations kept for backward,
+    the logits, and under autocast the 16-bit copies of the weights it casts."""
+    a, tokens = p.args, (p.seq_len or p.args.max_seq_len) * p.micro_batch
     h, e = a.dim, ELEMENT_BYTES[p.precision]
-    # Per block, 16-bit: 34*s*b*h bytes, tensor parallelism dividing all of it (sequence parallel);
-    # scaled by the element size for fp32.
-    block = 34 * s * b * h * e / 2 / p.tp
-    if p.activation_checkpointing:  # block inputs are kept, one block's activations are recomputed at a time
-        layers = a.n_layers * s * b * h * e / p.tp + block
+    # A 1f1b pipeline's first stage holds pp micro-batches of micro_batch / pp sequences in flight:
+    # all of a worker's micro-batch, for its share of the blocks.
+    blocks = math.ceil(a.n_layers / p.pp)
+    if p.activation_checkpointing:  # only the blocks' inputs are kept
+        layers = blocks * _residual_element_bytes(p) * h * tokens
     else:
-        layers = a.n_layers * block
-    logits = s * b * a.vocab_size * 4 / p.tp  # fp32 logits for the loss
-    return int(layers + logits)
+        layers = blocks * _block_bytes_per_token(p) * tokens
+    # The last stage's final norm and logits (for pp > 1 one micro-batch of micro_batch / pp is in flight there).
+    norm = {2: 8, 4: 10 if p.precision != "fp32" else 12}[_residual_element_bytes(p)] * h
+    head = (norm + e * a.vocab_size) * tokens / p.pp
+    casts = 0.0
+    if p.strategy != "fsdp" and p.precision != "fp32":
+        # Autocast's 16-bit copies of the weights (all but the embedding), kept until their backward.
+        casts = 2 * (p.params * _stage_share(p) - a.vocab_size * h) / p.tp
+    return int(max(layers, head) + casts if p.pp > 1 else layers + head + casts)
+
+
+def _tokens(p: PlanInput) -> int:
+    return (p.seq_len or p.args.max_seq_len) * p.micro_batch
+
+
+def _loss_bytes(p: PlanInput) -> float:
+    """The loss's fp32 logits, their log-softmax and its gradient, as the backward starts."""
+    return 3 * 4 * p.args.vocab_size * _tokens(p) / p.pp
+
+
+def _recompute_bytes(p: PlanInput) -> float:
+    """Activation checkpointing: one block recomputed in the backward, its activations and their gradients."""
+    return 1.5 * _block_bytes_per_token(p) * _tokens(p)
 
 
 def min_workers_to_fit(p: PlanInput, limit: int = 1 << 24) -> int | None:
@@ -194,21 +263,21 @@ def min_workers_to_fit(p: PlanInput, limit: int = 1 << 24) -> int | None:
     def fits(n: int) -> bool:
         return per_worker(p, n).total_bytes <= cap
 
-    if fits(p.tp):
-        return p.tp
-    if p.strategy == "ddp" or not fits(limit * p.tp):
+    if fits(p.mp):
+        return p.mp
+    if p.strategy == "ddp" or not fits(limit * p.mp):
         return None  # nothing shrinks with more ddp workers; or it never fits
-    lo, hi = 1, limit  # in units of tp: fits(hi * tp), not fits(lo * tp)
+    lo, hi = 1, limit  # in units of tp x pp: fits(hi * tp), not fits(lo * tp)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid * p.tp) else (mid, hi)
-    return hi * p.tp
+        lo, hi = (lo, mid) if fits(mid * p.mp) else (mid, hi)
+    return hi * p.mp
 
 
 def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
     """Bytes one worker sends per optimizer step for data- and tensor-parallel communication."""
-    dp, a = max(1, workers // p.tp), p.args
-    shard = math.ceil(p.params / p.tp)
+    dp, a = max(1, workers // p.mp), p.args
+    shard = math.ceil(p.params * _stage_share(p) / p.tp)
     accum = accumulation(p, dp)
     # FSDP reduce-scatters every micro-batch's gradients unless they are held whole until the last.
     syncs = accum if p.strategy == "fsdp" and not p.unsharded_accumulation else 1
@@ -219,9 +288,12 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
             # The two-phase compressed all-reduce: 2(n-1) chunks of 1/n of the gradient, encoded.
             out += syncs * 2 * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
         elif p.strategy == "fsdp":
-            # Parameters gathered in forward and again in backward for every micro-batch; gradients
-            # reduce-scattered in fp32 at each sync.
-            out += int(frac * shard * (2 * accum * ELEMENT_BYTES[p.precision] + 4 * syncs))
+            # Parameters gathered in forward and again in backward for every micro-batch, but for the
+            # root (embedding, norm, output) and the last block, which stay gathered in between;
+            # gradients reduce-scattered in fp32 at each sync.
+            kept = (param_count(a) - (a.n_layers - 1) * _block_params(a)) / param_count(a) * shard
+            gathered = accum * ELEMENT_BYTES[p.precision] * (2 * shard - kept)
+            out += int(frac * (gathered + 4 * syncs * shard))
         else:
             out += int(2 * frac * shard * 4)  # a ring all-reduce of fp32 gradients
         if p.strategy == "zero1":
@@ -231,6 +303,10 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
         s = p.seq_len or a.max_seq_len
         out += int(accum * 4 * a.n_layers * 2 * (p.tp - 1) / p.tp * s * p.micro_batch * a.dim
                    * ELEMENT_BYTES[p.precision])
+    if p.pp > 1:
+        # Each stage boundary carries every micro-batch's activations forward and their gradients back.
+        s = p.seq_len or a.max_seq_len
+        out += int(accum * 2 * s * p.micro_batch * a.dim * ELEMENT_BYTES[p.precision] / p.tp)
     return out
 
 
@@ -240,13 +316,15 @@ def plan(p: PlanInput) -> Plan:
         raise UserError(f"unknown strategy '{p.strategy}': use ddp, zero1 or fsdp")
     if p.precision not in ELEMENT_BYTES:
         raise UserError(f"unknown precision '{p.precision}': use fp32, bf16 or fp16")
-    if p.workers is not None and p.workers % p.tp:
-        raise UserError(f"--workers {p.workers} is not a multiple of --tp {p.tp}")
+    if p.workers is not None and p.workers % p.mp:
+        raise UserError(f"--workers {p.workers} is not a multiple of --tp x --pp ({p.mp})")
+    if p.pp > p.args.n_layers:
+        raise UserError(f"--pp {p.pp} is more stages than the model's {p.args.n_layers} blocks")
     fit = min_workers_to_fit(p)
-    workers = p.workers or fit or p.tp
+    workers = p.workers or fit or p.mp
     check_batch(p, workers)
     mem = per_worker(p, workers)
-    dp = workers // p.tp
+    dp = workers // p.mp
     s = p.seq_len or p.args.max_seq_len
     global_batch = p.global_batch or p.micro_batch * dp
     tokens_per_step = global_batch * s
@@ -257,7 +335,8 @@ def plan(p: PlanInput) -> Plan:
     ckpt = p.params * (STATE_BYTES["param"] + STATE_BYTES["optimizer"])  # weights and AdamW moments, fp32
     sent = comm_bytes(p, workers, p.codec)
     plan_ = Plan(
-        model=p.model, params=p.params, precision=p.precision, strategy=p.strategy, tp=p.tp, workers=workers,
+        model=p.model, params=p.params, precision=p.precision, strategy=p.strategy, tp=p.tp, pp=p.pp,
+        workers=workers,
         fits=mem.total_bytes <= p.device_mem_gb * GB, per_worker=mem, min_workers_to_fit=fit,
         device_mem_bytes=int(p.device_mem_gb * GB), checkpoint_bytes=ckpt,
         # DCP splits the write across workers (replicated tensors are written once), all at once.
@@ -272,7 +351,7 @@ def plan(p: PlanInput) -> Plan:
 
 def _notes(p: PlanInput, r: Plan) -> list[str]:
     notes = []
-    dp = max(1, r.workers // p.tp)
+    dp = max(1, r.workers // p.mp)
     if p.strategy == "fsdp" and dp > 1 and (accum := accumulation(p, dp)) > 1:
         other = replace(p, unsharded_accumulation=not p.unsharded_accumulation)
         held, sharded = (p, other) if p.unsharded_accumulation else (other, p)
@@ -332,11 +411,11 @@ def feasible_batch(p: PlanInput, scenario: str) -> tuple[PlanInput, list[str]]:
     the note compares it with keeping the batch on as many workers as it can feed."""
     if p.global_batch is None or p.workers is None:
         return p, []
-    dp = max(1, p.workers // p.tp)
+    dp = max(1, p.workers // p.mp)
     if p.global_batch >= p.micro_batch * dp:
         return p, []
     bigger = replace(p, global_batch=p.micro_batch * dp)
-    kept = replace(p, workers=max(1, p.global_batch // p.micro_batch) * p.tp)
+    kept = replace(p, workers=max(1, p.global_batch // p.micro_batch) * p.mp)
     a, b = plan(bigger), plan(kept)
     s = p.seq_len or p.args.max_seq_len
     note = (f"{scenario}: its global batch of {p.global_batch:,} sequences cannot feed {dp:,} data-parallel workers "

@@ -98,6 +98,14 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def _gathered_bytes(model: torch.nn.Module, live: LiveBytes, before: dict[int, int]) -> int:
+    """Bytes of parameters the forward gathered and FSDP keeps gathered after it (the last block's): the
+    plan counts them in gather_bytes, not among the activations. FSDP2 regrows the same storages each
+    step, so what counts is each one's growth."""
+    keys = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+    return sum(max(0, live.sizes.get(k, 0) - before.get(k, 0)) for k in keys)
+
+
 def _group_size(args: tuple) -> int:
     from torch._C._distributed_c10d import ProcessGroup
 
@@ -124,7 +132,7 @@ class SentBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.by_op: dict[str, int] = {}
-        self.largest_gather = 0
+        self.largest_gather = self.largest_scatter = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         if func.namespace == "c10d":
@@ -135,6 +143,7 @@ class SentBytes(TorchDispatchMode):
                 self.largest_gather = max(self.largest_gather, _nbytes(args[0]))
             elif name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
                 sent = (n - 1) * _nbytes(args[0])  # (N-1)/N of the input: N-1 chunks of the output's size
+                self.largest_scatter = max(self.largest_scatter, n * _nbytes(args[0]))
             elif name == "allreduce_":
                 sent = round(2 * (n - 1) / n * _nbytes(args[0]))
             elif name in ("send", "broadcast_"):
@@ -171,11 +180,19 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
         batch = np.zeros((cfg.train.batch_size, cfg.train.seq_len + 1), dtype=np.int64)
         live, sent = LiveBytes(), SentBytes()
         forward: list[int] = []  # live bytes before the model's forward, then what it added (activations)
+        before: dict[int, int] = {}  # the storages alive when the forward starts, and their sizes
         with FakeTensorMode(allow_non_fake_inputs=True):
             with live:
                 core = ComputeCore(cfg, torch.device("cpu"), topo, mesh=mesh)
-            core.model.register_forward_pre_hook(lambda *_: forward.append(live.current))
-            core.model.register_forward_hook(lambda *_: forward.append(live.current - forward.pop()))
+
+            def forward_starts(*_: Any) -> None:
+                forward.append(live.current)
+                before.clear()
+                before.update(live.sizes)
+
+            core.model.register_forward_pre_hook(forward_starts, prepend=True)  # before FSDP gathers the root
+            core.model.register_forward_hook(lambda *_: forward.append(live.current - forward.pop()
+                                                                        - _gathered_bytes(core.model, live, before)))
             if core.compression is not None:
                 core.compression.steps = cfg.compression.warmup_steps  # rehearse a compressed step
             for i in range(steps):
@@ -190,7 +207,8 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
                 "activation_bytes": max(forward, default=0)}
         return {"workers": workers, "params": core.n_params, "rehearsal_s": round(time.time() - started, 1),
                 "per_worker": {**held, "model_state_bytes": held["param_bytes"] + held["grad_bytes"]
-                               + held["optimizer_bytes"], "gather_bytes": sent.largest_gather,
+                               + held["optimizer_bytes"], # A unit's gathered parameters and its unsharded gradients, the plan's gather_bytes.
+                               "gather_bytes": sent.largest_gather + sent.largest_scatter,
                                # The rest of the peak: gathered parameters and their gradients, the loss's
                                # fp32 logits, collective and optimizer buffers (if positive at the peak).
                                "temporary_bytes": max(0, live.peak - sum(held.values())),
@@ -224,12 +242,12 @@ def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> 
 
 def plan_config(p: PlanInput, workers: int) -> JobConfig:
     """The job config a plan's inputs describe: the shape, precision, layout, batch and codec."""
-    a, dp = p.args, max(1, workers // p.tp)
+    a, dp = p.args, max(1, workers // p.mp)
     overrides = {
         "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads,
         "model.ffn_dim": a.ffn_dim, "model.vocab_size": a.vocab_size, "model.max_seq_len": a.max_seq_len,
         "model.rope_theta": a.rope_theta, "model.tie_embeddings": str(a.tie_embeddings).lower(),
-        "precision": p.precision, "parallel.strategy": p.strategy, "parallel.tp": p.tp,
+        "precision": p.precision, "parallel.strategy": p.strategy, "parallel.tp": p.tp, "parallel.pp": p.pp,
         "parallel.fsdp_unsharded_accumulation": str(p.unsharded_accumulation).lower(),
         "compression.codec": p.codec, "compression.density": p.density,
         "compression.error_feedback": str(p.error_feedback).lower(), "cluster.workers": workers,
