@@ -43,9 +43,12 @@ class ComputeCore:
         self.precision = resolve_precision(cfg.precision, device)
         p, t = cfg.parallel, cfg.train
         torch.manual_seed(t.seed)  # identical initial weights on every rank
-        model = model_from_config(cfg)
+        # Built on its device: no host copy of the weights on GPUs, and a rehearsal's fake tensors
+        # (which cannot be swapped for others) start where they stay.
+        with torch.device(device):
+            model = model_from_config(cfg)
         if any(q.device != device for q in model.parameters()):
-            model = model.to(device)  # (a rehearsal's fake tensors cannot be swapped for themselves)
+            model = model.to(device)  # a model.target that places its own tensors
         self.n_params = count_parameters(model)
         # Freezing comes before any wrapping and before the optimizer: frozen parameters get
         # no gradient buckets and no optimizer state.

@@ -36,7 +36,8 @@ def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and not optimizer.state.get(p):
-                optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                # The step count stays on the host, as torch's AdamW keeps it unless capturable or fused.
+                optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
                                       "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                       "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 

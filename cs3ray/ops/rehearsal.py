@@ -28,6 +28,7 @@ from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.errors import UserError
 
+from .device_probe import cs3ray_allocations_on
 from .planner import PlanInput, accumulation
 
 WORKERS_PER_NODE = 8  # the node size the rehearsal's topology assumes (GPU servers hold 8)
@@ -163,8 +164,11 @@ def check_supported(cfg: JobConfig) -> None:
                         "while they set up; plan those with the formulas (without --rehearse)")
 
 
-def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
-    """Rank 0's bytes in `steps` steps of `cfg` on `workers` workers; the last step is the one measured."""
+def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = False) -> dict[str, Any]:
+    """Rank 0's bytes in `steps` steps of `cfg` on `workers` workers; the last step is the one measured.
+
+    device_check: the steps run with cs3ray's own device-less allocations on `meta`
+    (ops.device_probe), so one that would land in host memory next to GPU data raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -182,7 +186,7 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
         forward: list[int] = []  # live bytes before the model's forward, then what it added (activations)
         before: dict[int, int] = {}  # the storages alive when the forward starts, and their sizes
         with FakeTensorMode(allow_non_fake_inputs=True):
-            with live:
+            with live:  # built on the device it is given (`torch.device` as the default), so never probed
                 core = ComputeCore(cfg, torch.device("cpu"), topo, mesh=mesh)
 
             def forward_starts(*_: Any) -> None:
@@ -198,7 +202,8 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2) -> dict[str, Any]:
             for i in range(steps):
                 measured = i == steps - 1
                 forward.clear()
-                with live, sent if measured else contextlib.nullcontext():
+                probe = cs3ray_allocations_on("meta") if device_check else contextlib.nullcontext()
+                with live, sent if measured else contextlib.nullcontext(), probe:
                     live.reset_peak()
                     core.step(lambda: batch, lr=cfg.train.lr)
         owned = core.memory()

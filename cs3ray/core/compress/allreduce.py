@@ -99,13 +99,13 @@ class CompressedAllReduce:
         self._thread: ThreadPoolExecutor | None = None
         self._work: dict[str, torch.Tensor] = {}  # scratch buffers, reused by every call
 
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A scratch tensor reused across calls (one call runs at a time per reducer): a fresh buffer larger
         than glibc's mmap threshold is page-faulted in on every call, which costs more than the copy itself."""
         numel = math.prod(shape)
         buf = self._work.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = self._work[name] = torch.empty(numel, dtype=dtype)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._work[name] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
     def _reduce_own_chunk(self, key: Hashable, flat: torch.Tensor, average: bool) -> tuple[torch.Tensor, int]:
@@ -119,14 +119,14 @@ class CompressedAllReduce:
         if n == c * world and flat.dtype == torch.float32:
             chunks = flat.reshape(world, c)
         else:
-            chunks = self._buffer("padded", (c * world,), torch.float32)
+            chunks = self._buffer("padded", (c * world,), torch.float32, flat.device)
             chunks[:n] = flat.reshape(-1)
             chunks[n:].zero_()
             chunks = chunks.view(world, c)
         size = self.codec.wire_bytes(c)
         me = dist.get_rank(self.group)
-        parts = list(self._buffer("recv", (world, size), torch.uint8))
-        total = self._buffer("total", (c,), torch.float32)
+        parts = list(self._buffer("recv", (world, size), torch.uint8, flat.device))
+        total = self._buffer("total", (c,), torch.float32, flat.device)
         if self.codec.name == "none":  # the exact codec's payload is the chunk itself: no copy
             send = chunks.view(torch.uint8)
             parts[me] = send[me]  # this rank's own chunk is read where it is
@@ -140,7 +140,7 @@ class CompressedAllReduce:
         else:
             # Each piece of a peer's chunk is sent as soon as it is encoded, and this rank's own chunk is
             # encoded while they travel (gloo moves the bytes on its own threads).
-            send = self._buffer("send", (world, size), torch.uint8)
+            send = self._buffer("send", (world, size), torch.uint8, flat.device)
             pieces = self._pieces(c)
             recvs = self._post_piece_receives(parts, pieces, tag=1)
             sends = []
@@ -178,15 +178,15 @@ class CompressedAllReduce:
         # Phase 2: the owner re-encodes its reduced chunk; every rank decodes the same bytes.
         if self.codec.name == "none":  # fp32 chunks are received straight into place
             gathered = (out.view(world, c).view(torch.uint8) if direct and out is not None
-                        else self._buffer("gathered", (world, size), torch.uint8))
+                        else self._buffer("gathered", (world, size), torch.uint8, flat.device))
             exchange([total.view(torch.uint8)] * world, list(gathered), self.group, tag=2)
             return gathered.view(torch.float32).reshape(-1)[:n], sent
-        gathered = self._buffer("gathered", (world, size), torch.uint8)
+        gathered = self._buffer("gathered", (world, size), torch.uint8, flat.device)
         me = dist.get_rank(self.group)
         pieces = self._pieces(c)
         recvs = self._post_piece_receives(list(gathered), pieces, tag=2)
         sends = []
-        target = out.view(world, c) if direct and out is not None else self._buffer("result", (world, c), torch.float32)
+        target = out.view(world, c) if direct and out is not None else self._buffer("result", (world, c), torch.float32, flat.device)
         for i, (vals, span) in enumerate(pieces):
             # The owner's copy is what the others decode from these bytes, bit for bit, without a decode.
             self.feedback.encode((key, "owner"), self.codec, total[vals], out=gathered[me, span],

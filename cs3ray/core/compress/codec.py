@@ -25,13 +25,15 @@ def _pad4(n: int) -> int:
     return -n % 4
 
 
-def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer this thread's later encodes reuse: a fresh large tensor is page-faulted in on every call,
-    which costs more than the arithmetic done in it. Its contents last until the thread's next encode."""
+def _scratch(name: str, numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A buffer this thread's later encodes reuse, on `like`'s device: a fresh large tensor is page-faulted
+    in on every call, which costs more than the arithmetic done in it. Its contents last until the
+    thread's next encode. (A rehearsal's fake tensors get buffers of their own fake mode.)"""
     bufs = _local.__dict__.setdefault("bufs", {})
     buf = bufs.get(name)
-    if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = bufs[name] = torch.empty(numel, dtype=dtype)
+    if (buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != like.device
+            or getattr(buf, "fake_mode", None) is not getattr(like, "fake_mode", None)):
+        buf = bufs[name] = torch.empty(numel, dtype=dtype, device=like.device)
     return buf[:numel]
 
 
@@ -41,19 +43,29 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (mask.view(torch.int64) * 0x0102040810204080).view(torch.uint8).view(-1, 8)[:, 7].clone()
 
 
-# The 8 bytes of 0/1 each byte value unpacks to, as one little-endian int64.
-_SPREAD = (torch.arange(256)[:, None] >> torch.arange(8) & 1).to(torch.uint8).view(torch.int64).reshape(-1)
+_SPREAD: dict[torch.device, torch.Tensor] = {}
+
+
+def _spread(like: torch.Tensor) -> torch.Tensor:
+    """The 8 bytes of 0/1 each byte value unpacks to, as one little-endian int64, on `like`'s device."""
+    if like.device not in _SPREAD or is_fake(like):
+        bits = torch.arange(256, device=like.device)[:, None] >> torch.arange(8, device=like.device) & 1
+        spread = bits.to(torch.uint8).view(torch.int64).reshape(-1)
+        if is_fake(like):
+            return spread
+        _SPREAD[like.device] = spread
+    return _SPREAD[like.device]
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `_pack_bits`: 8 bools per byte."""
-    return torch.index_select(_SPREAD, 0, packed.int()).view(torch.uint8).view(torch.bool)
+    return torch.index_select(_spread(packed), 0, packed.int()).view(torch.uint8).view(torch.bool)
 
 
-def _payload(size: int, out: torch.Tensor | None) -> torch.Tensor:
+def _payload(size: int, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The payload buffer: `out` (uint8, exactly `size` bytes) or a fresh one; the caller fills every byte."""
     if out is None:
-        return torch.empty(size, dtype=torch.uint8)
+        return torch.empty(size, dtype=torch.uint8, device=device)
     if out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous():
         raise ValueError(f"a payload buffer must be {size} contiguous uint8 bytes, got {out.numel()} {out.dtype}")
     return out
@@ -72,7 +84,7 @@ def _emit(values: torch.Tensor, out: torch.Tensor | None, add: bool) -> torch.Te
         return values if values.dtype == torch.float32 else values.float()
     if add:  # converted first: an add of mixed dtypes converts through a fresh buffer
         out.add_(values if values.dtype == torch.float32
-                 else _scratch("dequantized", values.numel(), torch.float32).copy_(values))
+                 else _scratch("dequantized", values.numel(), torch.float32, values).copy_(values))
     else:
         out.copy_(values)
     return out
@@ -83,7 +95,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n % BLOCK == 0:
         return x.reshape(-1, BLOCK)
-    rows = _scratch("rows", math.ceil(n / BLOCK) * BLOCK, x.dtype)
+    rows = _scratch("rows", math.ceil(n / BLOCK) * BLOCK, x.dtype, x)
     rows[:n] = x
     rows[n:].zero_()
     return rows.view(-1, BLOCK)
@@ -104,7 +116,7 @@ def _quantize(x: torch.Tensor, levels: int, scales: torch.Tensor | None = None) 
     # A multiply by the reciprocal instead of a divide per value; an all-zero block gets 0. With a normal
     # scale |x| x its reciprocal stays within levels x (1 + 2^-22), which rounds to at most levels: no clamp.
     inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
-    q = torch.mul(rows, inv[:, None], out=_scratch("q", rows.numel(), torch.float32).view_as(rows))
+    q = torch.mul(rows, inv[:, None], out=_scratch("q", rows.numel(), torch.float32, rows).view_as(rows))
     tiny = scales < torch.finfo(torch.float32).tiny  # subnormal: an imprecise or infinite reciprocal
     if host_bool(tiny.any(), fake=False):
         q[tiny] = (rows[tiny] / scales[tiny, None]).nan_to_num_(0.0).clamp_(-levels, levels)
@@ -119,7 +131,7 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None 
     """
     n = q.numel()
     if out is None:
-        out, add = torch.empty(n, dtype=torch.float32), False
+        out, add = torch.empty(n, dtype=torch.float32, device=q.device), False
     full = n - n % BLOCK
     parts = [(q[:full].view(-1, BLOCK), out[:full].view(-1, BLOCK), scales[:full // BLOCK, None])] if full else []
     if full < n:  # the last, partial block
@@ -127,7 +139,7 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None 
     for src, dst, s in parts:
         # Converted in place first: an op on mixed dtypes converts through a fresh buffer, many times slower.
         if add:
-            dst.add_(_scratch("dequantized", src.numel(), torch.float32).view_as(src).copy_(src).mul_(s))
+            dst.add_(_scratch("dequantized", src.numel(), torch.float32, src).view_as(src).copy_(src).mul_(s))
         else:
             dst.copy_(src).mul_(s)
     return out
@@ -149,17 +161,18 @@ def _top_k(mag: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None
     # Fake tensors (a rehearsal) take the full top-k: the candidates' count is known only with values.
     if n > 4 * _SAMPLE and not is_fake(mag) and not bool(torch.isnan(mag.sum())):
         # index_select: on the CPU it gathers faster than indexing with a tensor.
-        sample = torch.index_select(mag, 0, torch.randint(0, n, (_SAMPLE,), generator=torch.Generator().manual_seed(0)))
+        draw = torch.randint(0, n, (_SAMPLE,), generator=torch.Generator(mag.device).manual_seed(0), device=mag.device)
+        sample = torch.index_select(mag, 0, draw)
         # Aim 2% and four standard errors of the sampled fraction above k, so a shortfall is rare.
         frac = k / n
         above = min(1.0, frac * 1.02 + 4 * math.sqrt(frac * (1 - frac) / _SAMPLE) + 1 / _SAMPLE)
         threshold = torch.kthvalue(sample, max(1, round(_SAMPLE * (1 - above)))).values
-        mask = _scratch("mask", math.ceil(n / 8) * 8, torch.bool)
+        mask = _scratch("mask", math.ceil(n / 8) * 8, torch.bool, mag)
         mask[n:] = False
         candidates = torch.ge(mag, threshold, out=mask[:n]).nonzero().squeeze(1)
         surplus = candidates.numel() - k
         if surplus >= 0:
-            keep = torch.ones(candidates.numel(), dtype=torch.bool)
+            keep = torch.ones(candidates.numel(), dtype=torch.bool, device=candidates.device)
             dropped = torch.topk(torch.index_select(mag, 0, candidates), surplus, largest=False, sorted=False).indices
             keep[dropped] = False
             mask[candidates[dropped]] = False
@@ -183,7 +196,7 @@ class Codec:
     def encode(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Payload (uint8, wire_bytes(len(x))) of a 1-D fp32 tensor; written into `out` if given."""
         x = x.detach().reshape(-1)
-        payload = _payload(self.wire_bytes(x.numel()), out)
+        payload = _payload(self.wire_bytes(x.numel()), out, x.device)
         payload.view(torch.float32).copy_(x)
         return payload
 
@@ -194,7 +207,7 @@ class Codec:
         a codec may compute it from what its encoder already holds."""
         payload = self.encode(x, out)
         n = x.numel()
-        return payload, self.decode(payload, n, out=sent if sent is not None else _scratch("sent", n, torch.float32))
+        return payload, self.decode(payload, n, out=sent if sent is not None else _scratch("sent", n, torch.float32, x))
 
     def decode(self, payload: torch.Tensor, n: int, out: torch.Tensor | None = None,
                add: bool = False) -> torch.Tensor:
@@ -217,7 +230,7 @@ class BF16Codec(Codec):
 
     def encode(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x = x.detach().reshape(-1)
-        payload = _payload(self.wire_bytes(x.numel()), out)
+        payload = _payload(self.wire_bytes(x.numel()), out, x.device)
         payload[:2 * x.numel()].view(torch.bfloat16).copy_(x)
         payload[2 * x.numel():].zero_()
         return payload
@@ -242,7 +255,7 @@ class Int8Codec(Codec):
         """(payload, the quantized integers as fp32 rows): scales and values written straight into the payload."""
         x = x.detach().reshape(-1).float()
         n, nb = x.numel(), math.ceil(x.numel() / BLOCK)
-        payload = _payload(self.wire_bytes(n), out)
+        payload = _payload(self.wire_bytes(n), out, x.device)
         q, _ = _quantize(x, 127, payload[:4 * nb].view(torch.float32))
         payload[4 * nb:4 * nb + n].view(torch.int8).copy_(q.view(-1)[:n])
         payload[4 * nb + n:].zero_()
@@ -290,16 +303,16 @@ class Int4SparseCodec(Codec):
         x = x.detach().float().reshape(-1)
         n = x.numel()
         k, scale_bytes, pos_bytes, bitmask = self._layout(n)
-        payload = _payload(self.wire_bytes(n), out)
+        payload = _payload(self.wire_bytes(n), out, x.device)
         if k == 0:
-            return payload, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8)
-        idx, mask = _top_k(torch.abs(x, out=_scratch("abs", n, torch.float32)), k)
+            return payload, torch.zeros(0, dtype=torch.int64, device=x.device), torch.zeros(0, dtype=torch.uint8, device=x.device)
+        idx, mask = _top_k(torch.abs(x, out=_scratch("abs", n, torch.float32, x)), k)
         q, _ = _quantize(torch.index_select(x, 0, idx), 7, payload[:scale_bytes].view(torch.float32))
-        nibbles = torch.zeros(k + k % 2, dtype=torch.uint8)
+        nibbles = torch.zeros(k + k % 2, dtype=torch.uint8, device=x.device)
         nibbles[:k] = q.view(-1)[:k] + 8  # 1..15; an odd count's last high nibble stays 0
         if bitmask:
             if mask is None:
-                mask = _scratch("mask", math.ceil(n / 8) * 8, torch.bool).zero_()
+                mask = _scratch("mask", math.ceil(n / 8) * 8, torch.bool, x).zero_()
                 mask[idx] = True
             at = scale_bytes + pos_bytes
             payload[scale_bytes:at] = _pack_bits(mask.view(torch.uint8))
@@ -316,7 +329,7 @@ class Int4SparseCodec(Codec):
                     sent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         payload, idx, nibbles = self._encode(x, out)
         # The kept values as decode computes them, placed without unpacking the positions again.
-        sent = (sent if sent is not None else _scratch("sent", x.numel(), torch.float32)).zero_()
+        sent = (sent if sent is not None else _scratch("sent", x.numel(), torch.float32, x)).zero_()
         if idx.numel():
             scales = payload[:self._layout(x.numel())[1]].view(torch.float32)
             sent.scatter_(0, idx, _dequantize(nibbles.to(torch.int8) - 8, scales))

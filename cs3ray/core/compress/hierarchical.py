@@ -96,7 +96,7 @@ class HierarchicalAllReduce(CompressedAllReduce):
         if self.local is None:
             mine = flat.reshape(-1)  # one rank per node: its chunks are the whole input, in node order
         else:
-            mine = self._buffer("node_sum", (self.nodes * c,), torch.float32)
+            mine = self._buffer("node_sum", (self.nodes * c,), torch.float32, flat.device)
             self.local.reduce_regions(flat, regions, mine, average=average)
         sent = 0
         if self.nodes > 1:

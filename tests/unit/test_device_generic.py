@@ -1,0 +1,78 @@
+"""Every tensor cs3ray allocates for the data it serves follows that data's device.
+
+No GPU here: the step runs on fake CPU tensors while cs3ray's own device-less allocations are sent
+to `meta` (cs3ray.ops.device_probe), so one that would sit in host memory beside GPU data raises
+FakeTensorDeviceMismatchError. FSDP2 runs the whole compute core that way (rehearsal); the
+compressed all-reduce of ddp and zero1 (whose DDP reducer cannot run on fake tensors) runs on
+its own under a fake process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+
+from cs3ray.core.compress.allreduce import CompressedAllReduce
+from cs3ray.core.compress.codec import make_codec
+from cs3ray.ops.device_probe import cs3ray_allocations_on
+from cs3ray.ops.planner import PlanInput, shape
+from cs3ray.ops.rehearsal import plan_config, rehearse
+
+ARGS, N = shape(None, None, 2, 256, 4, 2, 768, 512, 128)
+
+
+def _rehearse(precision: str, codec: str, ac: bool = False) -> dict:
+    p = PlanInput(ARGS, N, precision=precision, strategy="fsdp", seq_len=128, codec=codec,
+                  activation_checkpointing=ac, micro_batch=1, global_batch=16)  # two micro-batches a step
+    return rehearse(plan_config(p, 8), 8, device_check=True)
+
+
+@pytest.mark.parametrize("precision, codec", [("bf16", "none"), ("fp16", "int8"), ("bf16", "int4_sparse")])
+def test_the_compute_core_allocates_on_its_datas_device(precision, codec):
+    out = _rehearse(precision, codec)
+    assert out["per_worker"]["param_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "int4_sparse"])
+@pytest.mark.parametrize("ac", [False, True])
+def test_every_fsdp_combination_allocates_on_its_datas_device(precision, codec, ac):
+    _rehearse(precision, codec, ac)
+
+
+@pytest.fixture
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4_sparse", "bf16"])
+def test_the_compressed_all_reduce_allocates_on_its_datas_device(fake_group, codec):
+    reducer = CompressedAllReduce(make_codec(codec, 0.1))
+    try:
+        with FakeTensorMode(), cs3ray_allocations_on("meta"):
+            grads = torch.randn(4 * 1000 + 3)  # a length that needs padding
+            out, _ = reducer.all_reduce("bucket", grads)
+            assert out.device == grads.device
+            shard = torch.empty(1001)
+            reducer.reduce_scatter("shards", grads[:4 * 1001], shard)  # the zero1 / FSDP form
+            assert all(r.device == grads.device for r in reducer.feedback.residuals.values())
+    finally:
+        reducer.close()  # (its communication thread, the DDP hook's, is not used: fake mode stays on this thread)
+
+
+def test_a_host_allocation_beside_the_data_is_caught():
+    # What the check finds: a buffer made without `device=` in a cs3ray module, met by the data.
+    scope = {"__name__": "cs3ray.example", "torch": torch}
+    exec("def scale(x):\n    return x * torch.ones(x.shape)\n", scope)  # noqa: S102 - a module of our own
+    with FakeTensorMode():
+        x = torch.randn(8)
+        assert scope["scale"](x).shape == x.shape
+        with cs3ray_allocations_on("meta"), pytest.raises(FakeTensorDeviceMismatchError):
+            scope["scale"](x)
