@@ -236,6 +236,13 @@ def test_a_checkpoint_and_the_event_log_hide_a_urls_password(tmp_path):
     assert "https://me:***@hub.example/model" in (tmp_path / "run" / "step-00000001" / "state.json").read_text()
 
 
+def test_an_unreachable_storage_url_is_named_without_its_password():
+    # A storage error names its URL; the user:password in it stays hidden (nothing listens on port 1).
+    result = CliRunner().invoke(app, ["ckpt", "ls", f"http://me:{SECRET}@127.0.0.1:1/run"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert SECRET not in result.output and "http://me:***@127.0.0.1:1/run" in result.output.replace("\n", "")
+
+
 # -- `cs3 submit` and jobs/train.py refuse credentials bound for a job's metadata ---------------------------------
 
 
