@@ -167,7 +167,8 @@ class CompressionConfig(Section):
     hierarchical: bool = Field(
         False, description="Reduce inside each node first over shared memory (fp32), and send only the cross-node "
                            "stage over the network, compressed by `codec` (each local rank sends 1/L of the gradient). "
-                           "ddp, zero1 and fsdp with parallel.tp=1; needs the same number of workers on every node.")
+                           "ddp, zero1 and fsdp with parallel.tp=1; needs the same number of workers on every node; "
+                           "CPU workers (the node stage sums in host shared memory).")
 
 
 class CheckpointConfig(Section):
@@ -486,6 +487,10 @@ class JobConfig(Section):
             if self.parallel.tp > 1 or self.parallel.pp > 1:
                 raise ValueError("compression.hierarchical=true needs parallel.tp=1 and parallel.pp=1 (its node groups "
                                  "span the whole world, not a data-parallel subgroup)")
+            if self.cluster.use_gpu:
+                # Its node stage sums in host shared memory: GPU gradients would cross PCIe twice a step.
+                raise ValueError("compression.hierarchical=true cannot be used with cluster.use_gpu (its intra-node "
+                                 "stage sums in host shared memory; on GPUs use the codec without it)")
             if self.cluster.fault_tolerance == "replicas":
                 raise ValueError("compression.hierarchical=true cannot be used with cluster.fault_tolerance=replicas "
                                  "(torchft averages the replicas' gradients itself)")

@@ -32,6 +32,8 @@ def test_hierarchical_sync_is_accepted_with_every_data_parallel_strategy(strateg
     (["compression.codec=int8", "compression.hierarchical=true", "parallel.tp=2", "cluster.workers=2"],
      "compression.hierarchical=true needs parallel.tp=1"),
     (["compression.hierarchical=true", "cluster.fault_tolerance=replicas"], "compression.hierarchical=true cannot"),
+    (["compression.codec=int8", "compression.hierarchical=true", "cluster.use_gpu=true"],
+     "compression.hierarchical=true cannot be used with cluster.use_gpu"),
     (["compression.codec=zstd"], "compression.codec"),
     (["compression.density=0"], "compression.density"),
     (["compression.density=1.5"], "compression.density"),
