@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cs3ray.core.compress import CompressedAllReduce, make_codec
 from cs3ray.core.compress.fsdp import CompressedReduceScatter
 from cs3ray.core.compress.hook import CompressionHook
+from cs3ray.core.memory import payload_bytes
 
 from . import comm_rank
 
@@ -48,14 +49,6 @@ class Counts:
     write_syscalls: int = 0  # /proc/self/io syscw
 
 
-def _nbytes(arg: Any) -> int:
-    if isinstance(arg, torch.Tensor):
-        return arg.numel() * arg.element_size()
-    if isinstance(arg, (list, tuple)):
-        return sum(_nbytes(a) for a in arg)
-    return 0
-
-
 def _proc_io() -> dict[str, int]:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(":") for line in f if ":" in line)}
@@ -76,7 +69,7 @@ def counting() -> Iterator[Counts]:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             handed = args[index] if len(args) > index else next((kwargs[k] for k in INPUT_KEYWORDS if k in kwargs), None)
-            payload = _nbytes(handed)
+            payload = payload_bytes(handed)
             if p2p:
                 counts.p2p_bytes += payload
                 counts.p2p_messages += 1

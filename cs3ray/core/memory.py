@@ -13,6 +13,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def payload_bytes(x: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list or tuple, as handed to a collective."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(payload_bytes(v) for v in x)
+    return 0
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of distinct local tensors (shared storage counted once)."""
     seen: set[tuple[int, int, int]] = set()

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs3ray.config import JobConfig, load_config
 from cs3ray.core.engine import ComputeCore
+from cs3ray.core.memory import payload_bytes
 from cs3ray.core.mesh import Topology
 from cs3ray.errors import UserError
 
@@ -119,14 +120,6 @@ def _group_size(args: tuple) -> int:
     return 1
 
 
-def _nbytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(v) for v in x)
-    return 0
-
-
 class SentBytes(TorchDispatchMode):
     """Bytes this rank sends per collective handed to the process group, as a ring moves them."""
 
@@ -140,17 +133,17 @@ class SentBytes(TorchDispatchMode):
             name, n = func._opname, _group_size(args)
             sent = 0
             if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
-                sent = (n - 1) * _nbytes(args[1])  # the input: this rank's shard, to every other rank
-                self.largest_gather = max(self.largest_gather, _nbytes(args[0]))
+                sent = (n - 1) * payload_bytes(args[1])  # the input: this rank's shard, to every other rank
+                self.largest_gather = max(self.largest_gather, payload_bytes(args[0]))
             elif name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
-                sent = (n - 1) * _nbytes(args[0])  # (N-1)/N of the input: N-1 chunks of the output's size
-                self.largest_scatter = max(self.largest_scatter, n * _nbytes(args[0]))
+                sent = (n - 1) * payload_bytes(args[0])  # (N-1)/N of the input: N-1 chunks of the output's size
+                self.largest_scatter = max(self.largest_scatter, n * payload_bytes(args[0]))
             elif name == "allreduce_":
-                sent = round(2 * (n - 1) / n * _nbytes(args[0]))
+                sent = round(2 * (n - 1) / n * payload_bytes(args[0]))
             elif name in ("send", "broadcast_"):
-                sent = _nbytes(args[0])
+                sent = payload_bytes(args[0])
             elif name == "alltoall_base_":
-                sent = round((n - 1) / n * _nbytes(args[1]))
+                sent = round((n - 1) / n * payload_bytes(args[1]))
             if sent:
                 self.by_op[name] = self.by_op.get(name, 0) + sent
         return func(*args, **(kwargs or {}))
