@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cs3ray.config import JobConfig
 from cs3ray.models.factory import count_parameters, model_from_config
@@ -88,6 +89,9 @@ class ComputeCore:
             model = chunks[0] if len(chunks) == 1 else model
             self.compression = parallel.apply_compression(model, cfg.compression, group, topology)
         self.model = model  # train.init_from weights are loaded into it by the worker (cs3ray.train.loop)
+        # DDP's gradients are views of its buckets: zeroed in place, they stay so. Set to None, the first
+        # micro-batch of an accumulation (no_sync) would allocate a second copy beside the buckets.
+        self._grads_to_none = not any(isinstance(c, DDP) for c in chunks)
         self.pipeline: Pipeline | None = None
         # Optimizer state of the last stage's copy of a tied embedding is saved under the embedding's name.
         self.aliases = TIED_ALIASES if tied_last_stage(getattr(model, "module", model), topology.pp_rank, p.pp) \
@@ -175,7 +179,7 @@ class ComputeCore:
             if t.clip > 0:
                 self.grad_norm = clip_grad_norm(self.params, t.clip)
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         return total, ok
 
     def _pipeline_step(self, next_batch: Callable[[], np.ndarray]) -> tuple[float, bool]:
@@ -195,7 +199,7 @@ class ComputeCore:
                 self.grad_norm = clip_grad_norm(self.params, t.clip, counted=pipe.norm_params(self.params),
                                                 group=pipe.group)
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         return total, ok
 
     def bubble_fraction(self) -> float | None:

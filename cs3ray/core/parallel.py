@@ -51,8 +51,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     once there, not once per projection. Nothing outside the blocks changes.
     """
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     blocks = _blocks(model)
     if blocks is None:

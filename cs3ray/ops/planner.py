@@ -13,6 +13,7 @@ the real step on fake tensors; times follow from the FLOPs, the MFU and the band
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -153,23 +154,75 @@ def check_batch(p: PlanInput, workers: int) -> None:
                         f"{p.micro_batch} over {dp:,} data-parallel workers: use a multiple of {per_step:,}")
 
 
-def _stage_share(p: PlanInput) -> float:
-    """The share of the parameters one pipeline stage holds: its blocks and the embedding or output layer."""
-    if p.pp == 1:
-        return 1.0
-    a = p.args
-    return min(1.0, (math.ceil(a.n_layers / p.pp) * _block_params(a) + a.vocab_size * a.dim) / param_count(a))
+def _rank_tensors(p: PlanInput) -> tuple[list[int], list[int]]:
+    """Element counts of the parameters one tensor- and pipeline-parallel rank holds (the first stage's) before
+    data-parallel sharding, as (matrices, vectors): AdamW's two weight-decay groups, which ZeRO partitions in
+    that order. Tensor parallelism splits the blocks' projections; norms, the embedding and the output layer
+    stay whole on every tensor-parallel rank (`core.parallel.apply_tp`)."""
+    a, t = p.args, p.tp
+    q, kv = a.dim * a.n_heads * a.head_dim // t, a.dim * a.kv_heads * a.head_dim // t
+    blocks = math.ceil(a.n_layers / p.pp)
+    matrices = [q, kv, kv, q, *(3 * [a.dim * a.ffn_dim // t])] * blocks + [a.vocab_size * a.dim]
+    vectors = [a.dim] * (2 * blocks)
+    if p.pp == 1:  # the output layer and the final norm, on the last stage
+        matrices += [] if a.tie_embeddings else [a.vocab_size * a.dim]
+        vectors.append(a.dim)
+    return matrices, vectors
+
+
+def _scale(p: PlanInput) -> float:
+    """--params over the shape's own count: every count from the shape is scaled to the stated size."""
+    return p.params / param_count(p.args)
+
+
+def _rank_params(p: PlanInput) -> float:
+    """Parameters one model-parallel rank owns before data-parallel sharding."""
+    matrices, vectors = _rank_tensors(p)
+    return (sum(matrices) + sum(vectors)) * _scale(p)
+
+
+def _rank_block_params(p: PlanInput) -> float:
+    """One block's parameters on one tensor-parallel rank (its norms are whole)."""
+    return (_block_params(p.args) - 2 * p.args.dim) / p.tp + 2 * p.args.dim
+
+
+def _step_temporary_bytes(p: PlanInput, dp: int) -> float:
+    """AdamW's foreach step keeps one fp32 temporary (the second moment's square root) of its largest
+    parameter group: AdamW's matrices, which tensor parallelism splits by layout (column-parallel,
+    row-parallel, whole) into separate groups (`core.optim.build_optimizer`)."""
+    a, t = p.args, p.tp
+    matrices, _ = _rank_tensors(p)
+    largest = float(sum(matrices))
+    if t > 1:
+        blocks = math.ceil(a.n_layers / p.pp)
+        q, kv, mlp = a.dim * a.n_heads * a.head_dim // t, a.dim * a.kv_heads * a.head_dim // t, a.dim * a.ffn_dim // t
+        largest = max(blocks * (q + 2 * kv + 2 * mlp), blocks * (q + mlp), sum(matrices) - blocks * (2 * q + 2 * kv + 3 * mlp))
+    share = largest / dp if p.strategy == "fsdp" else min(largest, _zero_partition(p, dp) / _scale(p)) \
+        if p.strategy == "zero1" else largest
+    return 4 * share * _scale(p)
+
+
+def _zero_partition(p: PlanInput, dp: int) -> float:
+    """The largest share of parameters ZeRO-1 gives one rank: torch's ZeroRedundancyOptimizer hands out whole
+    parameters, largest first, each to the rank with the fewest so far. A tensor larger than P/N (the
+    embedding, at scale) makes that rank's share the tensor, not P/N."""
+    loads = [(0, r) for r in range(min(dp, sum(map(len, _rank_tensors(p)))))]  # ranks past those get nothing
+    for group in _rank_tensors(p):
+        for n in sorted(group, reverse=True):
+            load, rank = heapq.heappop(loads)
+            heapq.heappush(loads, (load + n, rank))
+    return max(load for load, _ in loads) * _scale(p)
 
 
 def per_worker(p: PlanInput, workers: int) -> PerWorker:
     """Bytes one worker holds at the peak of a step with `workers` workers in all."""
     dp = max(1, workers // p.mp)
-    shard = p.params * _stage_share(p) / p.tp  # what one model-parallel rank owns before data-parallel sharding
+    shard = _rank_params(p)  # what one model-parallel rank owns before data-parallel sharding
     param = shard / dp if p.strategy == "fsdp" else shard
     grad = shard / dp if p.strategy == "fsdp" else shard
     if p.strategy == "fsdp" and p.unsharded_accumulation and dp > 1 and accumulation(p, dp) > 1:
         grad += shard  # every parameter's whole gradient, held until the last micro-batch reduce-scatters it
-    optim = shard / dp if p.strategy in ("fsdp", "zero1") else shard
+    optim = shard / dp if p.strategy == "fsdp" else _zero_partition(p, dp) if p.strategy == "zero1" else shard
     param, grad, optim = (int(param * STATE_BYTES["param"]), int(grad * STATE_BYTES["grad"]),
                           int(optim * STATE_BYTES["optimizer"]))
     residual = 0
@@ -180,19 +233,25 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
     # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
     e, gather, transient = ELEMENT_BYTES[p.precision], 0, _loss_bytes(p)
     if p.strategy == "fsdp" and dp > 1:
-        unit = max(_block_params(p.args), p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2)) / p.tp
+        root = p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2) + p.args.dim
+        unit = max(_rank_block_params(p), root) * _scale(p)
         gather = int(unit * (e + 4))
         # Early in the backward: the unit computed and the one prefetched, gathered, and one unit's
         # gradients in the compute dtype and in fp32 for the reduce-scatter.
         transient = unit * (2 * e + 4)
+    act = activation_bytes(p)
     if p.activation_checkpointing:
         transient += _recompute_bytes(p)
-    act = activation_bytes(p)
+        if p.strategy != "fsdp" and p.precision != "fp32":
+            # Autocast's casts of checkpointed blocks' weights are dropped as the forward leaves autocast
+            # (their blocks keep nothing): the backward starts below the forward's end.
+            transient = max(0.0, transient - _block_casts(p))
     state = param + grad + optim
     # The peak comes early in the backward, nearly every activation still held. Gradients count
-    # where they outlive a step (DDP's buckets) or a micro-batch.
-    held_grad = grad if p.strategy != "fsdp" or accumulation(p, dp) > 1 else 0
-    peak = param + optim + residual + max(act + transient + held_grad, grad + gather)
+    # where they outlive a step (DDP's buckets, with more than one data-parallel rank) or a micro-batch.
+    held_grad = grad if (p.strategy != "fsdp" and dp > 1) or accumulation(p, dp) > 1 else 0
+    peak = param + optim + residual + max(act + transient + held_grad, grad + gather,
+                                          grad + _step_temporary_bytes(p, dp))
     return PerWorker(param, grad, optim, state, residual, act, gather, int(peak))
 
 
@@ -238,8 +297,13 @@ def activation_bytes(p: PlanInput) -> int:
     casts = 0.0
     if p.strategy != "fsdp" and p.precision != "fp32":
         # Autocast's 16-bit copies of the weights (all but the embedding), kept until their backward.
-        casts = 2 * (p.params * _stage_share(p) - a.vocab_size * h) / p.tp
+        casts = 2 * (_rank_params(p) - (a.vocab_size * h + (2 * math.ceil(a.n_layers / p.pp) + 1) * h) * _scale(p))
     return int(max(layers, head) + casts if p.pp > 1 else layers + head + casts)
+
+
+def _block_casts(p: PlanInput) -> float:
+    """Autocast's 16-bit copies of the weights of one rank's blocks."""
+    return 2 * math.ceil(p.args.n_layers / p.pp) * (_rank_block_params(p) - 2 * p.args.dim) * _scale(p)
 
 
 def _tokens(p: PlanInput) -> int:
@@ -277,7 +341,7 @@ def min_workers_to_fit(p: PlanInput, limit: int = 1 << 24) -> int | None:
 def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
     """Bytes one worker sends per optimizer step for data- and tensor-parallel communication."""
     dp, a = max(1, workers // p.mp), p.args
-    shard = math.ceil(p.params * _stage_share(p) / p.tp)
+    shard = math.ceil(_rank_params(p))
     accum = accumulation(p, dp)
     # FSDP reduce-scatters every micro-batch's gradients unless they are held whole until the last.
     syncs = accum if p.strategy == "fsdp" and not p.unsharded_accumulation else 1
@@ -285,24 +349,31 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
     if dp > 1:
         frac = (dp - 1) / dp
         if codec != "none":
-            # The two-phase compressed all-reduce: 2(n-1) chunks of 1/n of the gradient, encoded.
-            out += syncs * 2 * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
-        elif p.strategy == "fsdp":
+            # The two-phase compressed all-reduce: 2(n-1) chunks of 1/n of the gradient, encoded; FSDP's
+            # compressed reduce-scatter is its first phase only.
+            phases = 1 if p.strategy == "fsdp" else 2
+            out += syncs * phases * (dp - 1) * make_codec(codec, p.density).wire_bytes(math.ceil(shard / dp))
+        if p.strategy == "fsdp":
             # Parameters gathered in forward and again in backward for every micro-batch, but for the
             # root (embedding, norm, output) and the last block, which stay gathered in between;
             # gradients reduce-scattered in fp32 at each sync.
-            kept = (param_count(a) - (a.n_layers - 1) * _block_params(a)) / param_count(a) * shard
+            kept = shard - (math.ceil(a.n_layers / p.pp) - 1) * _rank_block_params(p) * _scale(p)
             gathered = accum * ELEMENT_BYTES[p.precision] * (2 * shard - kept)
-            out += int(frac * (gathered + 4 * syncs * shard))
-        else:
+            out += int(frac * (gathered + (4 * syncs * shard if codec == "none" else 0)))
+        elif codec == "none":
             out += int(2 * frac * shard * 4)  # a ring all-reduce of fp32 gradients
         if p.strategy == "zero1":
             out += int(frac * shard * 4)  # each rank's updated parameters broadcast to the others
     if p.tp > 1:
-        # Two all-reduces of the activations per block in forward and two in backward.
-        s = p.seq_len or a.max_seq_len
-        out += int(accum * 4 * a.n_layers * 2 * (p.tp - 1) / p.tp * s * p.micro_batch * a.dim
-                   * ELEMENT_BYTES[p.precision])
+        # Two all-reduces of the activations per block in forward, in the compute dtype, and two of their
+        # gradients in backward: in fp32 under autocast (ddp, zero1), whose norms hand the projections fp32.
+        # Activation checkpointing recomputes a block up to the last tensor its backward needs: the
+        # attention's all-reduce again, not the MLP's.
+        e = ELEMENT_BYTES[p.precision]
+        backward = 4 if p.strategy != "fsdp" else e
+        forward = (3 if p.activation_checkpointing else 2) * e
+        out += int(accum * math.ceil(a.n_layers / p.pp) * 2 * (p.tp - 1) / p.tp * _tokens(p) * a.dim
+                   * (forward + 2 * backward))
     if p.pp > 1:
         # Each stage boundary carries every micro-batch's activations forward and their gradients back.
         s = p.seq_len or a.max_seq_len

@@ -108,9 +108,14 @@ def _gathered_bytes(model: torch.nn.Module, live: LiveBytes, before: dict[int, i
     return sum(max(0, live.sizes.get(k, 0) - before.get(k, 0)) for k in keys)
 
 
-def _group_size(args: tuple) -> int:
+def _group_size(func: Any, args: tuple) -> int:
     from torch._C._distributed_c10d import ProcessGroup
 
+    if func.namespace == "_c10d_functional":  # tensor parallelism's collectives name their group
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        names = [a for a in args if isinstance(a, str)]  # (a reduce op's name, then the group's)
+        return _resolve_process_group(names[-1]).size() if names else 1
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
@@ -118,6 +123,14 @@ def _group_size(args: tuple) -> int:
             except RuntimeError:
                 continue  # a ReduceOp or options, not the group
     return 1
+
+
+# The collectives by what they move, as torch's process-group ops (c10d) and functional ones name them.
+_GATHERS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "all_gather_into_tensor",
+            "all_gather_into_tensor_coalesced"}
+_SCATTERS = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
+             "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"}
+_REDUCES = {"allreduce_", "all_reduce", "all_reduce_coalesced"}
 
 
 class SentBytes(TorchDispatchMode):
@@ -129,32 +142,101 @@ class SentBytes(TorchDispatchMode):
         self.largest_gather = self.largest_scatter = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        if func.namespace == "c10d":
-            name, n = func._opname, _group_size(args)
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name, n = func._opname, _group_size(func, args)
+            functional = func.namespace == "_c10d_functional"
             sent = 0
-            if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
-                sent = (n - 1) * payload_bytes(args[1])  # the input: this rank's shard, to every other rank
-                self.largest_gather = max(self.largest_gather, payload_bytes(args[0]))
-            elif name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
-                sent = (n - 1) * payload_bytes(args[0])  # (N-1)/N of the input: N-1 chunks of the output's size
-                self.largest_scatter = max(self.largest_scatter, n * payload_bytes(args[0]))
-            elif name == "allreduce_":
+            if name in _GATHERS:
+                # This rank's shard, to every other rank (a functional gather returns what the c10d one fills).
+                shard, gathered = (args[0], out) if functional else (args[1], args[0])
+                sent = (n - 1) * payload_bytes(shard)
+                self.largest_gather = max(self.largest_gather, payload_bytes(gathered))
+            elif name in _SCATTERS:
+                # (N-1)/N of the input: N-1 chunks of the output's size.
+                chunk = out if functional else args[0]
+                sent = (n - 1) * payload_bytes(chunk)
+                self.largest_scatter = max(self.largest_scatter, n * payload_bytes(chunk))
+            elif name in _REDUCES:
                 sent = round(2 * (n - 1) / n * payload_bytes(args[0]))
-            elif name in ("send", "broadcast_"):
+            elif name == "send":
                 sent = payload_bytes(args[0])
-            elif name == "alltoall_base_":
-                sent = round((n - 1) / n * payload_bytes(args[1]))
+            elif name == "broadcast_":
+                sent = round((n - 1) / n * payload_bytes(args[0]))  # a chain: every rank but the last forwards it
+            elif name in ("alltoall_base_", "all_to_all_single"):
+                sent = round((n - 1) / n * payload_bytes(args[0 if functional else 1]))
             if sent:
                 self.by_op[name] = self.by_op.get(name, 0) + sent
-        return func(*args, **(kwargs or {}))
+        return out
 
 
-def check_supported(cfg: JobConfig) -> None:
-    p = cfg.parallel
-    if p.strategy != "fsdp" or p.tp > 1 or p.pp > 1:
-        raise UserError("--rehearse runs parallel.strategy=fsdp with tp 1 and pp 1 so far: DDP's gradient reducer "
-                        "(ddp, zero1) needs real memory, and tensor and pipeline parallelism read tensor values "
-                        "while they set up; plan those with the formulas (without --rehearse)")
+def check_supported(pp: int) -> None:
+    if pp > 1:
+        raise UserError("--rehearse runs pipeline parallelism (parallel.pp > 1) not yet: torch's schedule reads "
+                        "values from the other stages while it sets up; plan it with the formulas (without --rehearse)")
+
+
+def _completed_allreduce(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future:
+    """torch's default DDP hook's all-reduce, done at once: a fake group's future carries no value."""
+    dist.all_reduce(tensor, group=process_group)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+class _KeptBuckets:
+    """DDP's reducer without its bucket rebuild after the first step: the rebuild agrees on the new order by
+    exchanging index tensors whose values a fake group cannot carry. The buckets hold the same bytes."""
+
+    def __init__(self, reducer: Any) -> None:
+        self.__dict__["_reducer"] = reducer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _without_values() -> Any:
+    """What torch's DDP and device meshes read from tensor values while they set up, done without them:
+    DDP's check that every rank has the same parameter shapes (they do: the same code built them), its
+    built-in all-reduce's result, and a mesh's own rank table (small host integers, kept real)."""
+    import torch.nn.parallel.distributed as ddp_module
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh_init = DeviceMesh.__init__
+
+    def init_mesh(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    saved = [(ddp_module, "_verify_param_shape_across_processes", lambda *_a, **_k: None),
+             (default_hooks, "_allreduce_fut", _completed_allreduce), (DeviceMesh, "__init__", init_mesh)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in saved]
+    try:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
+def _rehearsable_ddp(core: ComputeCore) -> None:
+    """DDP modules of the core with torch's Python all-reduce hook in place of the built-in one (the same
+    bytes, through `_without_values`' all-reduce) and their buckets kept."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    modules = [core.model, *(core.pipeline.chunks.values() if core.pipeline is not None else ())]
+    for m in {id(m): m for m in modules if isinstance(m, DDP)}.values():
+        if core.compression is None:
+            m.register_comm_hook(m.process_group, allreduce_hook)
+        m.reducer = _KeptBuckets(m.reducer)
 
 
 def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = False) -> dict[str, Any]:
@@ -165,7 +247,7 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    check_supported(cfg)
+    check_supported(cfg.parallel.pp)
     if dist.is_initialized():
         raise UserError("--rehearse needs a process without a process group of its own")
     started = time.time()
@@ -178,9 +260,10 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
         live, sent = LiveBytes(), SentBytes()
         forward: list[int] = []  # live bytes before the model's forward, then what it added (activations)
         before: dict[int, int] = {}  # the storages alive when the forward starts, and their sizes
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _without_values():
             with live:  # built on the device it is given (`torch.device` as the default), so never probed
                 core = ComputeCore(cfg, torch.device("cpu"), topo, mesh=mesh)
+            _rehearsable_ddp(core)
 
             def forward_starts(*_: Any) -> None:
                 forward.append(live.current)
@@ -191,7 +274,18 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
             core.model.register_forward_hook(lambda *_: forward.append(live.current - forward.pop()
                                                                         - _gathered_bytes(core.model, live, before)))
             if core.compression is not None:
+                reduce = core.compression.reduce
+                reduce.inline = True  # fake mode and the observers are this thread's
                 core.compression.steps = cfg.compression.warmup_steps  # rehearse a compressed step
+                # Measured in the steady state: DDP's first sync is fp32, the second makes the residuals.
+                steps = max(steps, 3)
+                scatter = reduce.reduce_scatter
+
+                def observed(key: Any, flat: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+                    sent.largest_scatter = max(sent.largest_scatter, payload_bytes(flat))
+                    scatter(key, flat, *args, **kwargs)
+
+                reduce.reduce_scatter = observed  # FSDP's compressed reduce-scatter: its input is the unit's gradient
             for i in range(steps):
                 measured = i == steps - 1
                 forward.clear()
@@ -240,6 +334,7 @@ def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> 
 
 def plan_config(p: PlanInput, workers: int) -> JobConfig:
     """The job config a plan's inputs describe: the shape, precision, layout, batch and codec."""
+    check_supported(p.pp)
     a, dp = p.args, max(1, workers // p.mp)
     overrides = {
         "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads,

@@ -2,9 +2,9 @@
 
 No GPU here: the step runs on fake CPU tensors while cs3ray's own device-less allocations are sent
 to `meta` (cs3ray.ops.device_probe), so one that would sit in host memory beside GPU data raises
-FakeTensorDeviceMismatchError. FSDP2 runs the whole compute core that way (rehearsal); the
-compressed all-reduce of ddp and zero1 (whose DDP reducer cannot run on fake tensors) runs on
-its own under a fake process group.
+FakeTensorDeviceMismatchError. The whole compute core runs that way (a rehearsal) for ddp, zero1
+and fsdp, with and without tensor parallelism, codecs and precisions; the compressed all-reduce
+also runs on its own under a fake process group.
 """
 
 from __future__ import annotations
@@ -23,10 +23,34 @@ from cs3ray.ops.rehearsal import plan_config, rehearse
 ARGS, N = shape(None, None, 2, 256, 4, 2, 768, 512, 128)
 
 
-def _rehearse(precision: str, codec: str, ac: bool = False) -> dict:
-    p = PlanInput(ARGS, N, precision=precision, strategy="fsdp", seq_len=128, codec=codec,
-                  activation_checkpointing=ac, micro_batch=1, global_batch=16)  # two micro-batches a step
-    return rehearse(plan_config(p, 8), 8, device_check=True)
+def _rehearse(precision: str, codec: str, ac: bool = False, strategy: str = "fsdp", tp: int = 1,
+              workers: int = 8) -> dict:
+    dp = workers // tp
+    p = PlanInput(ARGS, N, precision=precision, strategy=strategy, tp=tp, seq_len=128, codec=codec,
+                  activation_checkpointing=ac, micro_batch=1, global_batch=2 * dp)  # two micro-batches a step
+    return rehearse(plan_config(p, workers), workers, device_check=True)
+
+
+# (strategy, tp, workers): DDP and ZeRO-1 replicate tensor-parallel shards only without data parallelism.
+LAYOUTS = [("ddp", 1, 8), ("zero1", 1, 8), ("fsdp", 2, 8), ("zero1", 2, 2)]
+
+
+@pytest.mark.parametrize("strategy, tp, workers, precision, codec", [
+    ("ddp", 1, 8, "bf16", "int8"), ("zero1", 1, 8, "fp16", "int4_sparse"), ("fsdp", 2, 8, "bf16", "none"),
+    ("ddp", 2, 2, "fp16", "none")])
+def test_ddp_zero1_and_tensor_parallel_allocate_on_their_datas_device(strategy, tp, workers, precision, codec):
+    out = _rehearse(precision, codec, strategy=strategy, tp=tp, workers=workers)
+    assert out["per_worker"]["param_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, tp, workers", LAYOUTS)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4_sparse"])
+def test_every_layout_allocates_on_its_datas_device(strategy, tp, workers, precision, codec):
+    if codec != "none" and workers == tp:
+        pytest.skip("a codec compresses data-parallel traffic: none without data parallelism")
+    _rehearse(precision, codec, strategy=strategy, tp=tp, workers=workers)
 
 
 @pytest.mark.parametrize("precision, codec", [("bf16", "none"), ("fp16", "int8"), ("bf16", "int4_sparse")])

@@ -1,9 +1,9 @@
 """`cs3 plan --rehearse`: cs3ray's own step on fake tensors at a world size no test machine has.
 
 The rehearsal runs the real compute core (FSDP2, AdamW, loss scaling, codecs, accumulation) on
-64 fake ranks in milliseconds of memory: its model state equals the planner's and a real rank's,
-gradients stay sharded under accumulation, the codecs' residuals appear, and what it cannot
-rehearse yet is refused in one line.
+64 fake ranks in milliseconds of memory, for ddp, zero1 and fsdp with and without tensor
+parallelism: its model state equals the planner's and a real rank's, gradients stay sharded under
+accumulation, the codecs' residuals appear, and what it cannot rehearse yet is refused in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from cs3ray.ops.planner import SHAPES
 
 from conftest import run_cs3
 from helpers.core import global_batches, run_distributed
@@ -20,7 +22,8 @@ SHAPE = ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", 
 
 
 def _rehearse(*args: str) -> dict:
-    proc = run_cs3(["plan", *SHAPE, "--strategy", "fsdp", "--rehearse", "--json", *args], check=True)
+    strategy = [] if "--strategy" in args else ["--strategy", "fsdp"]
+    proc = run_cs3(["plan", *SHAPE, *strategy, "--rehearse", "--json", *args], check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -52,7 +55,9 @@ def test_plan_agrees_with_the_rehearsal_and_gradients_stay_sharded_under_accumul
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--workers", "64", "--global-batch", "256"], ["--workers", "512", "--ac"]])
+@pytest.mark.parametrize("extra", [["--workers", "64", "--global-batch", "256"], ["--workers", "512", "--ac"],
+                                   ["--workers", "64", "--tp", "8"],
+                                   ["--workers", "8", "--tp", "8", "--strategy", "zero1", "--ac"]])
 def test_plan_agrees_with_the_rehearsal_of_70b(extra):
     proc = run_cs3(["plan", "--model", "70b", "--strategy", "fsdp", "--rehearse", "--json", *extra], check=True)
     _agrees_with_the_plan(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -89,9 +94,48 @@ def test_rehearsed_model_state_equals_what_real_ranks_hold():
     assert (got["param_bytes"], got["optimizer_bytes"]) == (real["param_bytes"], real["optim_bytes"])
 
 
+@pytest.mark.parametrize("extra", [
+    ["--strategy", "ddp", "--workers", "16", "--precision", "bf16"],
+    ["--strategy", "zero1", "--workers", "16", "--precision", "fp16", "--ac"],
+    # Four micro-batches: DDP's gradients stay in its buckets (no second copy under no_sync).
+    ["--strategy", "ddp", "--workers", "16", "--precision", "fp32", "--micro-batch", "2", "--global-batch", "128"],
+    ["--strategy", "zero1", "--workers", "2", "--tp", "2", "--precision", "bf16", "--micro-batch", "2",
+     "--global-batch", "8"],
+    ["--strategy", "fsdp", "--workers", "16", "--tp", "2", "--precision", "fp32", "--ac"],
+])
+def test_ddp_zero1_and_tensor_parallel_rehearsals_agree_with_the_plan(extra):
+    _agrees_with_the_plan(_rehearse(*extra))
+
+
+def test_tensor_parallel_sends_two_all_reduces_a_block_each_way():
+    # One backward all-reduce for q, k and v together (and one for w1 and w3), as Megatron does.
+    out = _rehearse("--strategy", "fsdp", "--workers", "8", "--tp", "2", "--precision", "bf16")
+    tokens, hidden, blocks = 128, 256, 4
+    per_all_reduce = 2 * (2 - 1) / 2 * tokens * hidden * 2
+    assert out["comm_bytes_by_op"]["all_reduce"] == blocks * 4 * per_all_reduce
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_the_compressed_all_reduce_is_rehearsed_with_its_residuals(strategy):
+    out = _rehearse("--strategy", strategy, "--workers", "16", "--precision", "bf16", "--codec", "int8")
+    got, planned = out["per_worker"], out["plan"]["per_worker"]
+    assert got["residual_bytes"] == pytest.approx(planned["residual_bytes"], rel=0.02) and got["residual_bytes"] > 0
+    assert got["model_state_bytes"] == pytest.approx(planned["model_state_bytes"], rel=0.02)
+    assert out["comm_bytes_by_op"]["send"] > 0 and "allreduce_" not in out["comm_bytes_by_op"]
+    assert out["comm_bytes_per_step"] == pytest.approx(out["plan"]["comm_bytes_per_step"], rel=0.02)
+
+
+def test_zero1_partitions_whole_parameters_so_the_embedding_sets_its_share():
+    # 70B over 512 ranks: P/N is 0.14 B parameters, the embedding alone 0.26 B; rank 0 holds it.
+    plan = json.loads(run_cs3(["plan", "--model", "70b", "--strategy", "zero1", "--workers", "512", "--json"],
+                              check=True).stdout)
+    a = SHAPES["70b"]
+    assert a.vocab_size * a.dim > plan["params"] / 512
+    assert plan["per_worker"]["optimizer_bytes"] == a.vocab_size * a.dim * 8
+
+
 def test_what_is_not_rehearsed_yet_is_refused_in_one_line():
-    for extra in (["--strategy", "ddp"], ["--strategy", "fsdp", "--tp", "2"]):
-        proc = run_cs3(["plan", *SHAPE, "--workers", "8", "--rehearse", *extra])
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
-        assert "--rehearse runs parallel.strategy=fsdp" in lines[0]
+    proc = run_cs3(["plan", *SHAPE, "--workers", "8", "--pp", "2", "--rehearse"])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert "pipeline parallelism" in lines[0]

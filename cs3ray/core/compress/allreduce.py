@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..fake import is_fake
 from .codec import BLOCK, Codec
 from .feedback import ErrorFeedback
 
@@ -97,6 +98,8 @@ class CompressedAllReduce:
         self.feedback = ErrorFeedback(error_feedback)
         self.stats = CommStats()
         self._thread: ThreadPoolExecutor | None = None
+        # Run `start` on the caller's thread: a rehearsal's fake tensors and observers are per thread.
+        self.inline = False
         self._work: dict[str, torch.Tensor] = {}  # scratch buffers, reused by every call
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -224,7 +227,7 @@ class CompressedAllReduce:
         self.stats.add(sent, ring_bytes(flat.numel(), dist.get_world_size(self.group)))
         if out is None:
             return result.clone()
-        if result.data_ptr() != out.data_ptr():
+        if is_fake(result) or result.data_ptr() != out.data_ptr():  # (a rehearsal's tensors have no address)
             out.copy_(result.view_as(out))
         return out
 
@@ -253,6 +256,9 @@ class CompressedAllReduce:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(exc)
 
+        if self.inline:
+            job()
+            return fut
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cs3-compress")
         self._thread.submit(job)
