@@ -110,6 +110,9 @@ class ComputeCore:
         init_adamw_state(local_optimizer(self.optimizer))
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.scaler = LossScaler(self.precision == "fp16")
+        if self.compression is not None:
+            # fp16 steps can be skipped on overflow: their residual updates must be undoable.
+            self.compression.reduce.feedback.transactional = self.scaler.enabled
         self.grad_accum = t.grad_accum  # the worker adapts it to keep the global batch on resizes
         # Fault-tolerant replicas (cs3ray.train.replicas) average gradients across replica groups
         # themselves and decide whether the step may be applied; None for ordinary runs.
@@ -155,6 +158,8 @@ class ComputeCore:
             return self._pipeline_step(next_batch)
         total = 0.0
         busy = time.thread_time()
+        if self.compression is not None:
+            self.compression.begin_step(self.scaler.scale)
         for micro in range(self.grad_accum):
             last = micro == self.grad_accum - 1
             if last and hasattr(self.model, "set_requires_gradient_sync"):
@@ -175,6 +180,8 @@ class ComputeCore:
         self.grad_bytes = owned_bytes(self.model, self.optimizer)["grad_bytes"]
         if self.may_commit is not None:
             ok = self.may_commit() and ok
+        if self.compression is not None:
+            self.compression.end_step(ok)
         if ok:
             if t.clip > 0:
                 self.grad_norm = clip_grad_norm(self.params, t.clip)

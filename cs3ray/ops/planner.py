@@ -230,6 +230,8 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
         # Error feedback keeps fp32 residuals: for the chunks sent to the other ranks and the reduced
         # chunk under ddp/zero1, for the other ranks' chunks under fsdp (see compression.error_feedback).
         residual = int(4 * shard * ((dp - 1) / dp if p.strategy == "fsdp" else 1))
+        if p.precision == "fp16":
+            residual *= 2  # a step that may be skipped writes new residuals beside the kept ones
     # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
     e, gather, transient = ELEMENT_BYTES[p.precision], 0, _loss_bytes(p)
     if p.strategy == "fsdp" and dp > 1:

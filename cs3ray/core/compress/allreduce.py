@@ -264,13 +264,6 @@ class CompressedAllReduce:
         self._thread.submit(job)
         return fut
 
-    def end_step(self) -> None:
-        """After the step's last `start`: on the same thread, drop residuals the step did not use."""
-        if self._thread is None:
-            self.feedback.prune()
-        else:
-            self._thread.submit(self.feedback.prune)
-
     def close(self) -> None:
         """Stop the communication thread (after the calls already started)."""
         if self._thread is not None:

@@ -17,12 +17,46 @@ from .codec import Codec
 
 
 class ErrorFeedback:
-    """Residuals keyed by a caller's name for each tensor (a DDP bucket, a chunk a rank reduces)."""
+    """Residuals keyed by a caller's name for each tensor (a DDP bucket, a chunk a rank reduces).
 
-    def __init__(self, enabled: bool = True) -> None:
+    Residuals are kept in the units of `scale`, the loss scale of the gradients being encoded, and
+    rescaled when it changes (`set_scale`; the scaler's factors are powers of two, so exactly): an
+    fp16 run's residuals mean the same gradient before and after its scale halves or doubles.
+    Transactional (fp16, where a step can be skipped): a step's encodes write new residuals beside
+    the committed ones, and the step's fate decides (`commit`, `rollback`), so a skipped step leaves
+    every residual exactly as it was; this keeps a second buffer per residual.
+    """
+
+    def __init__(self, enabled: bool = True, transactional: bool = False) -> None:
         self.enabled = enabled
+        self.transactional = transactional
+        self.scale = 1.0
         self.residuals: dict[Hashable, torch.Tensor] = {}
-        self.used: set[Hashable] = set()  # keys encoded since the last prune
+        self.pending: dict[Hashable, torch.Tensor] = {}  # transactional: this step's residuals, or spare buffers
+        self.used: set[Hashable] = set()  # keys encoded since the last commit or rollback
+
+    def set_scale(self, scale: float) -> None:
+        """The loss scale of the next gradients: residuals are brought to its units."""
+        if scale != self.scale:
+            for r in self.residuals.values():
+                r.mul_(scale / self.scale)
+            self.scale = scale
+
+    def _target(self, key: Hashable, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the buffer this step's residual of `key` is written to, the residual it starts from: None if
+        it is that buffer already, or zero)."""
+        res = self.residuals.get(key)
+        if res is not None and res.numel() != length:  # a checkpoint's from another layout starts afresh
+            res = None
+        if not self.transactional:
+            if res is None:
+                res = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=like.device)
+            return res, None
+        nxt = self.pending.get(key)
+        if nxt is None or nxt.numel() != length:
+            nxt = self.pending[key] = torch.empty(length, dtype=torch.float32, device=like.device)
+        # A key encoded again in the same step (FSDP's micro-batches) continues from its pending residual.
+        return nxt, None if key in self.used else res
 
     def encode(self, key: Hashable, codec: Codec, x: torch.Tensor, out: torch.Tensor | None = None,
                offset: int = 0, length: int | None = None,
@@ -37,35 +71,55 @@ class ErrorFeedback:
         x = x.detach().reshape(-1)
         if not self.enabled or codec.name == "none":  # an exact codec leaves nothing behind
             return codec.encode_sent(x, out, sent)
-        self.used.add(key)
         length = x.numel() if length is None else length
-        res = self.residuals.get(key)
-        # A residual of another length under this key (a checkpoint's from another layout) starts afresh.
-        if res is None or res.numel() != length:
-            res = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=x.device)
-        res = res[offset:offset + x.numel()]
-        # In place: the residual's buffer holds the compensated input, then what was not sent
-        # (large fresh allocations cost more than the arithmetic on a CPU).
-        res.add_(x)
-        payload, sent = codec.encode_sent(res, out, sent)
-        res.sub_(sent)
-        # An overflowed (skipped) step must not poison the following ones.
-        if not host_bool(torch.isfinite(res.sum()), fake=True):
-            res.zero_()
+        fresh = self.transactional and key not in self.used
+        target, start = self._target(key, length, x)
+        self.used.add(key)
+        piece = target[offset:offset + x.numel()]
+        # In place: the buffer holds the compensated input, then what was not sent (large fresh
+        # allocations cost more than the arithmetic on a CPU).
+        if not fresh:
+            piece.add_(x)
+        elif start is None:
+            piece.copy_(x)
+        else:
+            torch.add(start[offset:offset + x.numel()], x, out=piece)
+        payload, sent = codec.encode_sent(piece, out, sent)
+        piece.sub_(sent)
+        # An overflowed step must not poison the following ones (a transactional step is rolled back instead).
+        if not self.transactional and not host_bool(torch.isfinite(piece.sum()), fake=True):
+            piece.zero_()
         return payload, sent
 
-    def nbytes(self) -> int:
-        """Bytes the residuals hold."""
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
-
-    def prune(self) -> None:
-        """Drop residuals no encode used since the last prune: those of keys this run no longer syncs
-        (a checkpoint's from another bucket layout) would only cost memory and checkpoint bytes."""
+    def commit(self) -> None:
+        """The step is applied: its residuals become the residuals, and those no encode of a compressed
+        step used (a checkpoint's from another bucket layout, FSDP modules that are gone) are dropped."""
+        if not self.used:
+            return  # an uncompressed step (warm-up, DDP's first sync) keeps what it has
+        if self.transactional:
+            for key in self.used:
+                old = self.residuals.get(key)
+                self.residuals[key] = self.pending.pop(key)
+                if old is not None:
+                    self.pending[key] = old  # the next step writes into it
         for key in [k for k in self.residuals if k not in self.used]:
             del self.residuals[key]
+        for key in [k for k in self.pending if k not in self.residuals]:
+            del self.pending[key]
         self.used.clear()
+
+    def rollback(self) -> None:
+        """The step is skipped: every residual stays as it was before it (transactional; otherwise the
+        encodes have already updated them)."""
+        self.used.clear()
+
+    def nbytes(self) -> int:
+        """Bytes the residuals hold (with their transactional spares)."""
+        return sum(r.numel() * r.element_size() for d in (self.residuals, self.pending) for r in d.values())
 
     def reset(self) -> None:
         """Forget every residual."""
         self.residuals.clear()
+        self.pending.clear()
         self.used.clear()
+        self.scale = 1.0

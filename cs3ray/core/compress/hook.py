@@ -49,9 +49,22 @@ class CompressionHook:
         """Bytes of error-feedback residuals this rank keeps."""
         return self.reduce.feedback.nbytes()
 
+    def begin_step(self, loss_scale: float) -> None:
+        """Before a step's backward passes: the loss scale its gradients carry (fp16), which the residuals follow."""
+        self.reduce.feedback.set_scale(loss_scale)
+
+    def end_step(self, applied: bool) -> None:
+        """After the step's syncs, once every rank knows whether it is applied: residuals are committed or,
+        for a skipped step, left as they were (fp16's transactional residuals). Called on the main thread
+        after backward, when every exchange has finished."""
+        feedback = self.reduce.feedback
+        feedback.commit() if applied else feedback.rollback()
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals (they belong to its own buckets and chunks), for its own checkpoint file."""
-        return {"codec": self.reduce.codec.name, "residuals": dict(self.reduce.feedback.residuals)}
+        """This rank's residuals (they belong to its own buckets and chunks), for its own checkpoint file,
+        and the loss scale they are in units of."""
+        feedback = self.reduce.feedback
+        return {"codec": self.reduce.codec.name, "residuals": dict(feedback.residuals), "scale": feedback.scale}
 
     def load_state_dict(self, state: dict[str, Any], steps: int) -> bool:
         """Restore residuals saved by this rank with the same codec; True if they were restored."""
@@ -60,6 +73,7 @@ class CompressionHook:
         if state.get("codec") != self.reduce.codec.name:
             return False
         self.reduce.feedback.residuals.update({k: v.clone() for k, v in state["residuals"].items()})
+        self.reduce.feedback.scale = state.get("scale", 1.0)  # brought to the run's scale at its next step
         return True
 
     def stats(self) -> dict[str, float | int | None]:
@@ -86,8 +100,6 @@ def compress_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futu
         key = (state.names.get(id(params[0]), ""), state.names.get(id(params[-1]), ""), buffer.numel())
         fut = state.reduce.start(key, buffer, out=buffer)
     if last:
-        if state.compressing:
-            state.reduce.end_step()
         state.steps += 1
         state.initial_buckets = False
     return fut
