@@ -110,7 +110,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: str) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def apply_ddp(model: nn.Module, device: torch.device, group: Any = None, bucket_cap_mb: int = 25) -> nn.Module:
+DDP_BUCKET_MB = 25  # torch's default bucket cap: gradients are all-reduced in buckets of about this size
+
+
+def apply_ddp(model: nn.Module, device: torch.device, group: Any = None,
+              bucket_cap_mb: int = DDP_BUCKET_MB) -> nn.Module:
     """Replicate the model; gradients are all-reduced in buckets overlapped with backward."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return model

@@ -18,7 +18,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from cs3ray.core.compress.allreduce import PIECE
 from cs3ray.core.compress.codec import make_codec
+from cs3ray.core.parallel import DDP_BUCKET_MB
 from cs3ray.errors import UserError
 from cs3ray.models.flops import param_count, train_flops_per_token
 from cs3ray.models.presets import PRESETS
@@ -186,6 +188,27 @@ def _rank_block_params(p: PlanInput) -> float:
     return (_block_params(p.args) - 2 * p.args.dim) / p.tp + 2 * p.args.dim
 
 
+def _fsdp_unit(p: PlanInput) -> float:
+    """Parameters of FSDP's largest unit on one tensor-parallel rank: a block, or the root (embedding,
+    output layer, final norm), which tensor parallelism leaves whole."""
+    root = p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2) + p.args.dim
+    return max(_rank_block_params(p), root) * _scale(p)
+
+
+def _exchange_scratch_bytes(p: PlanInput, dp: int, n: float) -> float:
+    """Buffers the compressed exchange keeps between steps, sized by the largest tensor it syncs (`n`
+    values: a DDP bucket, an FSDP unit's gradient): the send and receive payloads (and the all-reduce's
+    all-gathered ones), the reduced chunk in fp32, and the codec's working copies (fp32 pieces of at most
+    PIECE values where the codec encodes pieces apart, whole chunks for top-k sparsification)."""
+    if p.codec == "none" or dp == 1:
+        return 0.0
+    codec = make_codec(p.codec, p.density)
+    c = math.ceil(n / dp)
+    payloads = (2 if p.strategy == "fsdp" else 3) * dp * codec.wire_bytes(c)
+    working = 16 * min(c, PIECE) if codec.separable else (9 + 4 * p.density) * c
+    return payloads + 4 * c + working
+
+
 def _step_temporary_bytes(p: PlanInput, dp: int) -> float:
     """AdamW's foreach step keeps one fp32 temporary (the second moment's square root) of its largest
     parameter group: AdamW's matrices, which tensor parallelism splits by layout (column-parallel,
@@ -234,9 +257,8 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
             residual *= 2  # a step that may be skipped writes new residuals beside the kept ones
     # FSDP gathers one block at a time: its parameters in the compute dtype and their unsharded gradient.
     e, gather, transient = ELEMENT_BYTES[p.precision], 0, _loss_bytes(p)
+    unit = _fsdp_unit(p)
     if p.strategy == "fsdp" and dp > 1:
-        root = p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2) + p.args.dim
-        unit = max(_rank_block_params(p), root) * _scale(p)
         gather = int(unit * (e + 4))
         # Early in the backward: the unit computed and the one prefetched, gathered, and one unit's
         # gradients in the compute dtype and in fp32 for the reduce-scatter.
@@ -252,8 +274,9 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
     # The peak comes early in the backward, nearly every activation still held. Gradients count
     # where they outlive a step (DDP's buckets, with more than one data-parallel rank) or a micro-batch.
     held_grad = grad if (p.strategy != "fsdp" and dp > 1) or accumulation(p, dp) > 1 else 0
-    peak = param + optim + residual + max(act + transient + held_grad, grad + gather,
-                                          grad + _step_temporary_bytes(p, dp))
+    scratch = _exchange_scratch_bytes(p, dp, unit if p.strategy == "fsdp" else min(shard, DDP_BUCKET_MB * 2**20 / 4))
+    peak = param + optim + residual + scratch + max(act + transient + held_grad, grad + gather,
+                                                    grad + _step_temporary_bytes(p, dp))
     return PerWorker(param, grad, optim, state, residual, act, gather, int(peak))
 
 

@@ -277,8 +277,9 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
                 reduce = core.compression.reduce
                 reduce.inline = True  # fake mode and the observers are this thread's
                 core.compression.steps = cfg.compression.warmup_steps  # rehearse a compressed step
-                # Measured in the steady state: DDP's first sync is fp32, the second makes the residuals.
-                steps = max(steps, 3)
+                # Measured in the steady state: DDP's first sync is fp32, the second makes the residuals,
+                # the third (fp16) their spare buffers.
+                steps = max(steps, 4)
                 scatter = reduce.reduce_scatter
 
                 def observed(key: Any, flat: torch.Tensor, *args: Any, **kwargs: Any) -> None:

@@ -66,6 +66,7 @@ def test_plan_agrees_with_the_rehearsal_of_70b(extra):
 @pytest.mark.parametrize("codec", ["int8", "int4_sparse"])
 def test_compressed_reduce_scatter_is_rehearsed_with_its_residuals(codec):
     out = _rehearse("--workers", "64", "--precision", "bf16", "--codec", codec)
+    _agrees_with_the_plan(out)  # the peak counts the exchange's kept buffers
     assert out["per_worker"]["residual_bytes"] > 0
     assert out["comm_bytes_by_op"].get("send", 0) > 0  # cs3ray's point-to-point exchange, not torch's collective
     assert out["per_worker"]["residual_bytes"] == pytest.approx(out["plan"]["per_worker"]["residual_bytes"], rel=0.05)
@@ -115,13 +116,16 @@ def test_tensor_parallel_sends_two_all_reduces_a_block_each_way():
     assert out["comm_bytes_by_op"]["all_reduce"] == blocks * 4 * per_all_reduce
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_the_compressed_all_reduce_is_rehearsed_with_its_residuals(strategy):
-    out = _rehearse("--strategy", strategy, "--workers", "16", "--precision", "bf16", "--codec", "int8")
+@pytest.mark.parametrize("strategy, precision", [("ddp", "bf16"), ("zero1", "fp16")])
+def test_the_compressed_all_reduce_is_rehearsed_with_its_residuals(strategy, precision):
+    # fp16 keeps a spare residual buffer (a skipped step's residuals are dropped, the kept ones untouched).
+    out = _rehearse("--strategy", strategy, "--workers", "16", "--precision", precision, "--codec", "int8")
+    _agrees_with_the_plan(out)
     got, planned = out["per_worker"], out["plan"]["per_worker"]
     assert got["residual_bytes"] == pytest.approx(planned["residual_bytes"], rel=0.02) and got["residual_bytes"] > 0
     assert got["model_state_bytes"] == pytest.approx(planned["model_state_bytes"], rel=0.02)
-    assert out["comm_bytes_by_op"]["send"] > 0 and "allreduce_" not in out["comm_bytes_by_op"]
+    # cs3ray's point-to-point exchange carries the gradients; an all-reduce only fp16's overflow flag.
+    assert out["comm_bytes_by_op"]["send"] > 0 and out["comm_bytes_by_op"].get("allreduce_", 0) <= 8
     assert out["comm_bytes_per_step"] == pytest.approx(out["plan"]["comm_bytes_per_step"], rel=0.02)
 
 
