@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .fake import host_float
 from .precision import autocast
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -207,7 +208,7 @@ class Pipeline:
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         mean = mean.to(torch.float64)
         dist.all_reduce(mean, group=self.group)  # only the last stage has the loss
-        return float(mean)
+        return host_float(mean)
 
     def bubble_fraction(self) -> float | None:
         """Share of this stage's step time it spent idle since the last call (waiting on other stages)."""

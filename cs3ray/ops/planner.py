@@ -323,6 +323,10 @@ def activation_bytes(p: PlanInput) -> int:
     if p.strategy != "fsdp" and p.precision != "fp32":
         # Autocast's 16-bit copies of the weights (all but the embedding), kept until their backward.
         casts = 2 * (_rank_params(p) - (a.vocab_size * h + (2 * math.ceil(a.n_layers / p.pp) + 1) * h) * _scale(p))
+        # A pipeline stage runs each micro-batch's forward under its own autocast: the pp micro-batches in
+        # flight each keep their casts, but for checkpointed blocks', dropped as each forward leaves autocast
+        # (the first stage has no other weights to cast).
+        casts = 0.0 if p.activation_checkpointing else casts * p.pp
     return int(max(layers, head) + casts if p.pp > 1 else layers + head + casts)
 
 
@@ -382,7 +386,9 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
             # Parameters gathered in forward and again in backward for every micro-batch, but for the
             # root (embedding, norm, output) and the last block, which stay gathered in between;
             # gradients reduce-scattered in fp32 at each sync.
-            kept = shard - (math.ceil(a.n_layers / p.pp) - 1) * _rank_block_params(p) * _scale(p)
+            # A pipeline stage's blocks are all gathered again in backward; its root stays gathered.
+            regathered = math.ceil(a.n_layers / p.pp) - (1 if p.pp == 1 else 0)
+            kept = shard - regathered * _rank_block_params(p) * _scale(p)
             gathered = accum * ELEMENT_BYTES[p.precision] * (2 * shard - kept)
             out += int(frac * (gathered + (4 * syncs * shard if codec == "none" else 0)))
         elif codec == "none":
@@ -400,9 +406,10 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
         out += int(accum * math.ceil(a.n_layers / p.pp) * 2 * (p.tp - 1) / p.tp * _tokens(p) * a.dim
                    * (forward + 2 * backward))
     if p.pp > 1:
-        # Each stage boundary carries every micro-batch's activations forward and their gradients back.
-        s = p.seq_len or a.max_seq_len
-        out += int(accum * 2 * s * p.micro_batch * a.dim * ELEMENT_BYTES[p.precision] / p.tp)
+        # The first stage sends every micro-batch's hidden states on (the gradients come back to it), whole
+        # on every tensor-parallel rank: fp32 under autocast, whose residual stream stays fp32.
+        hidden = ELEMENT_BYTES[p.precision] if p.strategy == "fsdp" else 4
+        out += int(accum * _tokens(p) * a.dim * hidden)
     return out
 
 

@@ -170,10 +170,13 @@ class SentBytes(TorchDispatchMode):
         return out
 
 
-def check_supported(pp: int) -> None:
-    if pp > 1:
-        raise UserError("--rehearse runs pipeline parallelism (parallel.pp > 1) not yet: torch's schedule reads "
-                        "values from the other stages while it sets up; plan it with the formulas (without --rehearse)")
+def _in_flight(cfg: JobConfig) -> int:
+    """Pipeline micro-batches whose activations the first stage holds at once (each forward is measured
+    alone): all of them with gpipe, as many as there are stages with 1f1b."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    return p.pp_microbatches if p.pp_schedule == "gpipe" else min(p.pp, p.pp_microbatches)
 
 
 def _completed_allreduce(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future:
@@ -215,7 +218,8 @@ def _without_values() -> Any:
             mesh_init(self, *args, **kwargs)
 
     saved = [(ddp_module, "_verify_param_shape_across_processes", lambda *_a, **_k: None),
-             (default_hooks, "_allreduce_fut", _completed_allreduce), (DeviceMesh, "__init__", init_mesh)]
+             (default_hooks, "_allreduce_fut", _completed_allreduce), (DeviceMesh, "__init__", init_mesh),
+             *_pipeline_without_values()]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in saved]
     try:
         for owner, name, value in saved:
@@ -224,6 +228,40 @@ def _without_values() -> Any:
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)
+
+
+def _pipeline_without_values() -> list[tuple[Any, str, Any]]:
+    """torch's pipeline schedule, set up without the other stages: its vote on how stages learn each
+    other's shapes (every stage infers them from its own forward), and the shapes a neighbour would send.
+    Hidden states have one shape and dtype between every two stages, and a gradient is shaped like its
+    activation, so this rank's own stages say what the others would have sent."""
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+    )
+
+    sent: list[Any] = []  # the forward metadata this rank's stages sent on
+
+    def vote(_schedule: Any, stages: list[Any], *_args: Any) -> None:
+        for s in stages:
+            s._inference_mode = InferenceMode.DYNAMIC
+
+    def send_meta(_stage: Any, meta: Any, _dst: int) -> None:
+        if isinstance(meta, _StageForwardMeta):
+            sent.append(meta)
+
+    def recv_meta(st: Any, src: int) -> Any:
+        if src > st.stage_index:
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(st._stage_meta.outputs))
+        if not sent:
+            raise UserError("--rehearse: a pipeline stage's input shape is unknown before the first stage has run")
+        return _StageForwardMeta(forward_metas=sent[-1].forward_metas)
+
+    return [(schedules._PipelineSchedule, "_warmup_p2p", vote), (stage.PipelineStage, "_send_meta", send_meta),
+            (stage.PipelineStage, "_recv_meta", recv_meta)]
 
 
 def _rehearsable_ddp(core: ComputeCore) -> None:
@@ -247,7 +285,6 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    check_supported(cfg.parallel.pp)
     if dist.is_initialized():
         raise UserError("--rehearse needs a process without a process group of its own")
     started = time.time()
@@ -297,7 +334,7 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
         owned = core.memory()
         held = {"param_bytes": owned["param_bytes"], "grad_bytes": owned["grad_bytes"],
                 "optimizer_bytes": owned["optim_bytes"], "residual_bytes": owned["residual_bytes"],
-                "activation_bytes": max(forward, default=0)}
+                "activation_bytes": max(forward, default=0) * _in_flight(cfg)}
         return {"workers": workers, "params": core.n_params, "rehearsal_s": round(time.time() - started, 1),
                 "per_worker": {**held, "model_state_bytes": held["param_bytes"] + held["grad_bytes"]
                                + held["optimizer_bytes"], # A unit's gathered parameters and its unsharded gradients, the plan's gather_bytes.
@@ -309,6 +346,26 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
                 "comm_bytes_per_step": sum(sent.by_op.values()), "comm_bytes_by_op": sent.by_op}
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """torch's DTensor and FSDP2 caches keep the meshes of the ops they have seen; one of an equal shape
+    from an earlier fake group would come back, naming process groups that group's end has removed (a
+    second rehearsal in one process, of another layout)."""
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.device_mesh")):
+            continue
+        for owner in [module, *(v for v in vars(module).values() if isinstance(v, type))]:
+            for value in list(vars(owner).values()):
+                if isinstance(value, type) or not callable(getattr(value, "cache_clear", None)):
+                    continue  # (a class with a cache_clear method is not a cache)
+                value.cache_clear()
 
 
 def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> dict[str, Any]:
@@ -335,7 +392,9 @@ def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> 
 
 def plan_config(p: PlanInput, workers: int) -> JobConfig:
     """The job config a plan's inputs describe: the shape, precision, layout, batch and codec."""
-    check_supported(p.pp)
+    if p.pp > 1 and p.micro_batch % p.pp:
+        raise UserError(f"--rehearse with --pp {p.pp} runs each micro-batch as {p.pp} pipeline micro-batches: "
+                        f"give --micro-batch a multiple of {p.pp}")
     a, dp = p.args, max(1, workers // p.mp)
     overrides = {
         "model.dim": a.dim, "model.n_layers": a.n_layers, "model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads,
@@ -348,5 +407,7 @@ def plan_config(p: PlanInput, workers: int) -> JobConfig:
         "train.seq_len": p.seq_len or a.max_seq_len, "train.batch_size": p.micro_batch,
         "train.grad_accum": accumulation(p, dp), "train.activation_checkpointing": str(p.activation_checkpointing).lower(),
     }
+    if p.pp > 1:  # the plan's 1f1b: pp micro-batches of micro_batch / pp sequences
+        overrides |= {"parallel.pp_microbatches": p.pp, "parallel.pp_schedule": "1f1b"}
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 

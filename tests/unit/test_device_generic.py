@@ -9,6 +9,8 @@ also runs on its own under a fake process group.
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,33 +26,46 @@ ARGS, N = shape(None, None, 2, 256, 4, 2, 768, 512, 128)
 
 
 def _rehearse(precision: str, codec: str, ac: bool = False, strategy: str = "fsdp", tp: int = 1,
-              workers: int = 8) -> dict:
-    dp = workers // tp
-    p = PlanInput(ARGS, N, precision=precision, strategy=strategy, tp=tp, seq_len=128, codec=codec,
-                  activation_checkpointing=ac, micro_batch=1, global_batch=2 * dp)  # two micro-batches a step
+              workers: int = 8, pp: int = 1) -> dict:
+    dp = workers // (tp * pp)
+    p = PlanInput(ARGS, N, precision=precision, strategy=strategy, tp=tp, pp=pp, seq_len=128, codec=codec,
+                  activation_checkpointing=ac, micro_batch=pp, global_batch=2 * pp * dp)  # two micro-batches a step
     return rehearse(plan_config(p, workers), workers, device_check=True)
 
 
-# (strategy, tp, workers): DDP and ZeRO-1 replicate tensor-parallel shards only without data parallelism.
-LAYOUTS = [("ddp", 1, 8), ("zero1", 1, 8), ("fsdp", 2, 8), ("zero1", 2, 2)]
+# (strategy, tp, pp, workers): DDP and ZeRO-1 replicate tensor-parallel shards only without data parallelism.
+LAYOUTS = [("ddp", 1, 1, 8), ("zero1", 1, 1, 8), ("fsdp", 2, 1, 8), ("zero1", 2, 1, 2), ("fsdp", 1, 2, 8),
+           ("ddp", 1, 2, 4), ("zero1", 1, 2, 8), ("fsdp", 2, 2, 8), ("ddp", 2, 2, 4)]
 
 
-@pytest.mark.parametrize("strategy, tp, workers, precision, codec", [
-    ("ddp", 1, 8, "bf16", "int8"), ("zero1", 1, 8, "fp16", "int4_sparse"), ("fsdp", 2, 8, "bf16", "none"),
-    ("ddp", 2, 2, "fp16", "none")])
-def test_ddp_zero1_and_tensor_parallel_allocate_on_their_datas_device(strategy, tp, workers, precision, codec):
-    out = _rehearse(precision, codec, strategy=strategy, tp=tp, workers=workers)
-    assert out["per_worker"]["param_bytes"] > 0
+def _layout_params(cases: list[dict]) -> list[int]:
+    return [_rehearse(**case)["per_worker"]["param_bytes"] for case in cases]
+
+
+def _rehearse_layout(cases: list[dict]) -> list[int]:
+    """Rehearsals of one layout in a fresh process: torch's DTensor caches keep the meshes of an earlier fake
+    group, and a later layout's tensors would get them (one rehearsal per process, as `cs3 plan` runs them)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_layout_params, (cases,))
+
+
+@pytest.mark.parametrize("strategy, tp, pp, workers, precision, codec", [
+    ("ddp", 1, 1, 8, "bf16", "int8"), ("zero1", 1, 1, 8, "fp16", "int4_sparse"), ("fsdp", 2, 1, 8, "bf16", "none"),
+    ("ddp", 2, 1, 2, "fp16", "none"), ("fsdp", 2, 2, 8, "fp16", "none")])
+def test_ddp_zero1_tensor_and_pipeline_parallel_allocate_on_their_datas_device(strategy, tp, pp, workers, precision,
+                                                                               codec):
+    case = {"precision": precision, "codec": codec, "strategy": strategy, "tp": tp, "workers": workers, "pp": pp}
+    assert _rehearse_layout([case])[0] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, tp, workers", LAYOUTS)
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("codec", ["none", "int8", "int4_sparse"])
-def test_every_layout_allocates_on_its_datas_device(strategy, tp, workers, precision, codec):
-    if codec != "none" and workers == tp:
-        pytest.skip("a codec compresses data-parallel traffic: none without data parallelism")
-    _rehearse(precision, codec, strategy=strategy, tp=tp, workers=workers)
+@pytest.mark.parametrize("strategy, tp, pp, workers", LAYOUTS)
+def test_every_layout_allocates_on_its_datas_device(strategy, tp, pp, workers):
+    # A codec compresses data-parallel traffic, and the config refuses it with pipelines.
+    codecs = ["none"] if workers == tp * pp or pp > 1 else ["none", "int8", "int4_sparse"]
+    cases = [{"precision": precision, "codec": codec, "strategy": strategy, "tp": tp, "workers": workers, "pp": pp}
+             for precision in ("bf16", "fp16") for codec in codecs]
+    assert all(n > 0 for n in _rehearse_layout(cases))
 
 
 @pytest.mark.parametrize("precision, codec", [("bf16", "none"), ("fp16", "int8"), ("bf16", "int4_sparse")])

@@ -1,9 +1,9 @@
 """`cs3 plan --rehearse`: cs3ray's own step on fake tensors at a world size no test machine has.
 
 The rehearsal runs the real compute core (FSDP2, AdamW, loss scaling, codecs, accumulation) on
-64 fake ranks in milliseconds of memory, for ddp, zero1 and fsdp with and without tensor
-parallelism: its model state equals the planner's and a real rank's, gradients stay sharded under
-accumulation, the codecs' residuals appear, and what it cannot rehearse yet is refused in one line.
+64 fake ranks in milliseconds of memory, for ddp, zero1 and fsdp with and without tensor and
+pipeline parallelism: its model state equals the planner's and a real rank's, gradients stay sharded
+under accumulation, the codecs' residuals and buffers appear in the peak.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ def test_rehearsed_model_state_equals_what_real_ranks_hold():
     ["--strategy", "zero1", "--workers", "2", "--tp", "2", "--precision", "bf16", "--micro-batch", "2",
      "--global-batch", "8"],
     ["--strategy", "fsdp", "--workers", "16", "--tp", "2", "--precision", "fp32", "--ac"],
+    # Pipelines: the first stage, 1f1b over pp micro-batches.
+    ["--strategy", "fsdp", "--workers", "8", "--pp", "2", "--micro-batch", "4", "--precision", "bf16"],
+    ["--strategy", "ddp", "--workers", "4", "--pp", "2", "--micro-batch", "4", "--precision", "fp16"],
+    ["--strategy", "zero1", "--workers", "8", "--pp", "4", "--micro-batch", "4", "--precision", "fp32"],
 ])
 def test_ddp_zero1_and_tensor_parallel_rehearsals_agree_with_the_plan(extra):
     _agrees_with_the_plan(_rehearse(*extra))
@@ -138,8 +142,8 @@ def test_zero1_partitions_whole_parameters_so_the_embedding_sets_its_share():
     assert plan["per_worker"]["optimizer_bytes"] == a.vocab_size * a.dim * 8
 
 
-def test_what_is_not_rehearsed_yet_is_refused_in_one_line():
+def test_a_pipeline_micro_batch_that_does_not_split_is_refused_in_one_line():
     proc = run_cs3(["plan", *SHAPE, "--workers", "8", "--pp", "2", "--rehearse"])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
-    assert "pipeline parallelism" in lines[0]
+    assert "--micro-batch a multiple of 2" in lines[0]
