@@ -280,6 +280,9 @@ def _rehearsable_ddp(core: ComputeCore) -> None:
 def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = False) -> dict[str, Any]:
     """Rank 0's bytes in `steps` steps of `cfg` on `workers` workers; the last step is the one measured.
 
+    One rehearsal per process (a second of the same layout is fine): torch's DTensor caches keep the meshes
+    of an earlier fake group, whose process groups are gone.
+
     device_check: the steps run with cs3ray's own device-less allocations on `meta`
     (ops.device_probe), so one that would land in host memory next to GPU data raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -346,26 +349,6 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
                 "comm_bytes_per_step": sum(sent.by_op.values()), "comm_bytes_by_op": sent.by_op}
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """torch's DTensor and FSDP2 caches keep the meshes of the ops they have seen; one of an equal shape
-    from an earlier fake group would come back, naming process groups that group's end has removed (a
-    second rehearsal in one process, of another layout)."""
-    import sys
-
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.device_mesh")):
-            continue
-        for owner in [module, *(v for v in vars(module).values() if isinstance(v, type))]:
-            for value in list(vars(owner).values()):
-                if isinstance(value, type) or not callable(getattr(value, "cache_clear", None)):
-                    continue  # (a class with a cache_clear method is not a cache)
-                value.cache_clear()
 
 
 def rehearse_scaled(cfg: JobConfig, workers: int, layers: int | None = None) -> dict[str, Any]:
