@@ -326,7 +326,8 @@ def activation_bytes(p: PlanInput) -> int:
         # A pipeline stage runs each micro-batch's forward under its own autocast: the pp micro-batches in
         # flight each keep their casts, but for checkpointed blocks', dropped as each forward leaves autocast
         # (the first stage has no other weights to cast).
-        casts = 0.0 if p.activation_checkpointing else casts * p.pp
+        if p.pp > 1:
+            casts = 0.0 if p.activation_checkpointing else casts * p.pp
     return int(max(layers, head) + casts if p.pp > 1 else layers + head + casts)
 
 
