@@ -75,8 +75,8 @@ def test_the_compute_core_allocates_on_its_datas_device(precision, codec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "int4_sparse"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4_sparse"])
 @pytest.mark.parametrize("ac", [False, True])
 def test_every_fsdp_combination_allocates_on_its_datas_device(precision, codec, ac):
     _rehearse(precision, codec, ac)
