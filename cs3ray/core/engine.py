@@ -101,7 +101,7 @@ class ComputeCore:
                 for chunk in chunks:
                     autocast_forward(getattr(chunk, "module", chunk), self.precision, device)
             self.pipeline = Pipeline(model, chunks, topology, mesh["pp"].get_group(), p.pp_schedule,
-                                     p.pp_microbatches, device)
+                                     p.pp_microbatches, device, sync_every_micro_batch=self.sync_every_micro_batch)
         betas = (t.beta1, t.beta2)
         if p.strategy == "zero1" and distributed and topology.dp > 1:
             self.optimizer = build_optimizer(model, t.lr, t.weight_decay, betas, zero_group=mesh["dp"].get_group())

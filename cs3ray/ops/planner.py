@@ -191,7 +191,8 @@ def _rank_block_params(p: PlanInput) -> float:
 def _fsdp_unit(p: PlanInput) -> float:
     """Parameters of FSDP's largest unit on one tensor-parallel rank: a block, or the root (embedding,
     output layer, final norm), which tensor parallelism leaves whole."""
-    root = p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings else 2) + p.args.dim
+    # (a pipeline's first stage holds the embedding alone)
+    root = p.args.vocab_size * p.args.dim * (1 if p.args.tie_embeddings or p.pp > 1 else 2) + p.args.dim
     return max(_rank_block_params(p), root) * _scale(p)
 
 
@@ -243,8 +244,9 @@ def per_worker(p: PlanInput, workers: int) -> PerWorker:
     shard = _rank_params(p)  # what one model-parallel rank owns before data-parallel sharding
     param = shard / dp if p.strategy == "fsdp" else shard
     grad = shard / dp if p.strategy == "fsdp" else shard
-    if p.strategy == "fsdp" and p.unsharded_accumulation and dp > 1 and accumulation(p, dp) > 1:
-        grad += shard  # every parameter's whole gradient, held until the last micro-batch reduce-scatters it
+    if p.strategy == "fsdp" and p.unsharded_accumulation and dp > 1 and (accumulation(p, dp) > 1 or p.pp > 1):
+        # Every parameter's whole gradient, held until the last micro-batch (a pipeline's last) reduce-scatters it.
+        grad += shard
     optim = shard / dp if p.strategy == "fsdp" else _zero_partition(p, dp) if p.strategy == "zero1" else shard
     param, grad, optim = (int(param * STATE_BYTES["param"]), int(grad * STATE_BYTES["grad"]),
                           int(optim * STATE_BYTES["optimizer"]))
@@ -313,7 +315,8 @@ def activation_bytes(p: PlanInput) -> int:
     # all of a worker's micro-batch, for its share of the blocks.
     blocks = math.ceil(a.n_layers / p.pp)
     if p.activation_checkpointing:  # only the blocks' inputs are kept
-        layers = blocks * _residual_element_bytes(p) * h * tokens
+        # (a pipeline stage also keeps its output, the hidden states it sent on, for the backward)
+        layers = (blocks + (p.pp > 1)) * _residual_element_bytes(p) * h * tokens
     else:
         layers = blocks * _block_bytes_per_token(p) * tokens
     # The last stage's final norm and logits (for pp > 1 one micro-batch of micro_batch / pp is in flight there).
@@ -347,7 +350,7 @@ def _loss_bytes(p: PlanInput) -> float:
 
 def _recompute_bytes(p: PlanInput) -> float:
     """Activation checkpointing: one block recomputed in the backward, its activations and their gradients."""
-    return 1.5 * _block_bytes_per_token(p) * _tokens(p)
+    return 1.5 * _block_bytes_per_token(p) * _tokens(p) / p.pp  # (one pipeline micro-batch at a time)
 
 
 def min_workers_to_fit(p: PlanInput, limit: int = 1 << 24) -> int | None:
@@ -373,8 +376,10 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
     dp, a = max(1, workers // p.mp), p.args
     shard = math.ceil(_rank_params(p))
     accum = accumulation(p, dp)
-    # FSDP reduce-scatters every micro-batch's gradients unless they are held whole until the last.
-    syncs = accum if p.strategy == "fsdp" and not p.unsharded_accumulation else 1
+    # FSDP reduce-scatters every micro-batch's gradients unless they are held whole until the last; in a
+    # pipeline every pipeline micro-batch's (pp of them, the plan's 1f1b), or once per schedule step.
+    micro = accum * (p.pp if not p.unsharded_accumulation else 1)
+    syncs = micro if p.strategy == "fsdp" and not p.unsharded_accumulation else 1
     out = 0
     if dp > 1:
         frac = (dp - 1) / dp
@@ -386,11 +391,12 @@ def comm_bytes(p: PlanInput, workers: int, codec: str) -> int:
         if p.strategy == "fsdp":
             # Parameters gathered in forward and again in backward for every micro-batch, but for the
             # root (embedding, norm, output) and the last block, which stay gathered in between;
-            # gradients reduce-scattered in fp32 at each sync.
-            # A pipeline stage's blocks are all gathered again in backward; its root stays gathered.
-            regathered = math.ceil(a.n_layers / p.pp) - (1 if p.pp == 1 else 0)
+            # gradients reduce-scattered in fp32 at each sync. A pipeline holding whole gradients
+            # (torch's schedule, asked for with unsharded accumulation) gathers each stage once each way
+            # per schedule step, and keeps the last block gathered for the next micro-batch too.
+            regathered = math.ceil(a.n_layers / p.pp) - (1 if p.pp == 1 or not p.unsharded_accumulation else 0)
             kept = shard - regathered * _rank_block_params(p) * _scale(p)
-            gathered = accum * ELEMENT_BYTES[p.precision] * (2 * shard - kept)
+            gathered = micro * ELEMENT_BYTES[p.precision] * (2 * shard - kept)
             out += int(frac * (gathered + (4 * syncs * shard if codec == "none" else 0)))
         elif codec == "none":
             out += int(2 * frac * shard * 4)  # a ring all-reduce of fp32 gradients

@@ -141,6 +141,20 @@ def test_zero1_partitions_whole_parameters_so_the_embedding_sets_its_share():
     assert plan["per_worker"]["optimizer_bytes"] == a.vocab_size * a.dim * 8
 
 
+def test_pipeline_stages_reduce_scatter_every_micro_batch_unless_asked():
+    # torch's schedule holds a stage's whole fp32 gradient and gathered parameters until the step ends;
+    # cs3ray reduce-scatters each pipeline micro-batch's gradients, as outside pipelines.
+    args = ["--strategy", "fsdp", "--workers", "8", "--pp", "2", "--micro-batch", "4", "--precision", "bf16"]
+    sharded, held = _rehearse(*args), _rehearse(*args, "--unsharded-accumulation")
+    for out in (sharded, held):
+        assert out["comm_bytes_per_step"] == pytest.approx(out["plan"]["comm_bytes_per_step"], rel=0.02)
+    scatter = {name: out["comm_bytes_by_op"]["_reduce_scatter_base_"] for name, out in (("sharded", sharded),
+                                                                                         ("held", held))}
+    assert scatter["sharded"] == 2 * scatter["held"]  # two pipeline micro-batches, one reduce-scatter each
+    assert sharded["per_worker"]["total_bytes"] < held["per_worker"]["total_bytes"]
+    _agrees_with_the_plan(sharded)
+
+
 def test_a_pipeline_micro_batch_that_does_not_split_is_refused_in_one_line():
     proc = run_cs3(["plan", *SHAPE, "--workers", "8", "--pp", "2", "--rehearse"])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
