@@ -156,15 +156,21 @@ def check_batch(p: PlanInput, workers: int) -> None:
                         f"{p.micro_batch} over {dp:,} data-parallel workers: use a multiple of {per_step:,}")
 
 
+def _projections(p: PlanInput) -> tuple[int, int, int]:
+    """Elements of one block's query (and output), key (and value) and MLP projections on one tensor-parallel rank."""
+    a, t = p.args, p.tp
+    return a.dim * a.n_heads * a.head_dim // t, a.dim * a.kv_heads * a.head_dim // t, a.dim * a.ffn_dim // t
+
+
 def _rank_tensors(p: PlanInput) -> tuple[list[int], list[int]]:
     """Element counts of the parameters one tensor- and pipeline-parallel rank holds (the first stage's) before
     data-parallel sharding, as (matrices, vectors): AdamW's two weight-decay groups, which ZeRO partitions in
     that order. Tensor parallelism splits the blocks' projections; norms, the embedding and the output layer
     stay whole on every tensor-parallel rank (`core.parallel.apply_tp`)."""
-    a, t = p.args, p.tp
-    q, kv = a.dim * a.n_heads * a.head_dim // t, a.dim * a.kv_heads * a.head_dim // t
+    a = p.args
+    q, kv, mlp = _projections(p)
     blocks = math.ceil(a.n_layers / p.pp)
-    matrices = [q, kv, kv, q, *(3 * [a.dim * a.ffn_dim // t])] * blocks + [a.vocab_size * a.dim]
+    matrices = [q, kv, kv, q, *(3 * [mlp])] * blocks + [a.vocab_size * a.dim]
     vectors = [a.dim] * (2 * blocks)
     if p.pp == 1:  # the output layer and the final norm, on the last stage
         matrices += [] if a.tie_embeddings else [a.vocab_size * a.dim]
@@ -214,12 +220,11 @@ def _step_temporary_bytes(p: PlanInput, dp: int) -> float:
     """AdamW's foreach step keeps one fp32 temporary (the second moment's square root) of its largest
     parameter group: AdamW's matrices, which tensor parallelism splits by layout (column-parallel,
     row-parallel, whole) into separate groups (`core.optim.build_optimizer`)."""
-    a, t = p.args, p.tp
     matrices, _ = _rank_tensors(p)
     largest = float(sum(matrices))
-    if t > 1:
-        blocks = math.ceil(a.n_layers / p.pp)
-        q, kv, mlp = a.dim * a.n_heads * a.head_dim // t, a.dim * a.kv_heads * a.head_dim // t, a.dim * a.ffn_dim // t
+    if p.tp > 1:
+        blocks = math.ceil(p.args.n_layers / p.pp)
+        q, kv, mlp = _projections(p)
         largest = max(blocks * (q + 2 * kv + 2 * mlp), blocks * (q + mlp), sum(matrices) - blocks * (2 * q + 2 * kv + 3 * mlp))
     share = largest / dp if p.strategy == "fsdp" else min(largest, _zero_partition(p, dp) / _scale(p)) \
         if p.strategy == "zero1" else largest
@@ -230,8 +235,9 @@ def _zero_partition(p: PlanInput, dp: int) -> float:
     """The largest share of parameters ZeRO-1 gives one rank: torch's ZeroRedundancyOptimizer hands out whole
     parameters, largest first, each to the rank with the fewest so far. A tensor larger than P/N (the
     embedding, at scale) makes that rank's share the tensor, not P/N."""
-    loads = [(0, r) for r in range(min(dp, sum(map(len, _rank_tensors(p)))))]  # ranks past those get nothing
-    for group in _rank_tensors(p):
+    groups = _rank_tensors(p)
+    loads = [(0, r) for r in range(min(dp, sum(map(len, groups))))]  # ranks past those get nothing
+    for group in groups:
         for n in sorted(group, reverse=True):
             load, rank = heapq.heappop(loads)
             heapq.heappush(loads, (load + n, rank))
