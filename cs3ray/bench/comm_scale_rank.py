@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cs3ray.core.compress import CompressedAllReduce, make_codec
-from cs3ray.core.compress.fsdp import CompressedReduceScatter
+from cs3ray.core.compress.fsdp import CompressedReduceScatter, PlainReduceScatter
 from cs3ray.core.compress.hook import CompressionHook
 from cs3ray.core.memory import payload_bytes
 
@@ -99,9 +99,10 @@ def _calls(numel: int) -> dict[str, Callable[[], Any]]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     fp32, out, shard = x.clone(), torch.empty_like(x), torch.empty(numel // world)
     int8 = CompressedAllReduce(make_codec("int8"), error_feedback=True)  # as training runs it
-    # FSDP2's reduce-scatter through cs3ray's callable: during warm-up it is torch's own (fp32), after it int8.
-    fsdp_fp32 = CompressedReduceScatter(CompressionHook("none", warmup_steps=1), "layer")
-    fsdp_int8 = CompressedReduceScatter(CompressionHook("int8", warmup_steps=0), "layer")
+    # FSDP2's reduce-scatter through cs3ray's callables, as training installs them: fp32 (on gloo cs3ray's
+    # point-to-point exchange) and int8.
+    fsdp_fp32 = PlainReduceScatter(dist.group.WORLD)
+    fsdp_int8 = CompressedReduceScatter(CompressionHook("int8", warmup_steps=0), "layer", fsdp_fp32)
     return {"fp32_all_reduce": lambda: dist.all_reduce(fp32),
             "int8_all_reduce": lambda: int8("grads", x, out=out),
             "fsdp_fp32_reduce_scatter": lambda: fsdp_fp32(shard, x, dist.group.WORLD, dist.ReduceOp.AVG),

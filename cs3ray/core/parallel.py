@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .compress import CompressionHook, install_fsdp_compression, register_compression
+from .compress import CompressionHook, install_fsdp_compression, install_plain_reduce_scatter, register_compression
 from .mesh import Topology
 from .precision import DTYPES
 
@@ -139,9 +139,11 @@ def apply_compression(model: nn.Module, compression: Any, group: Any = None,
 def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any,
                            topology: Topology | None = None) -> CompressionHook | None:
     """Compress FSDP2's gradient reduce-scatter of every sharded module when `compression.codec` asks,
-    through shared memory inside each node first when `compression.hierarchical` does (needs `topology`)."""
+    through shared memory inside each node first when `compression.hierarchical` does (needs `topology`).
+    Uncompressed on gloo, it goes through cs3ray's point-to-point exchange (see compress.fsdp)."""
     hierarchical = topology if compression.hierarchical else None
     if compression.codec == "none" and hierarchical is None:
+        install_plain_reduce_scatter(model, group)
         return None
     state = CompressionHook(compression.codec, compression.density, compression.error_feedback,
                             compression.warmup_steps, group, hierarchical)

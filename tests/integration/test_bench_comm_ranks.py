@@ -31,16 +31,16 @@ def test_quick_ranks_table_counts_bytes_and_messages_per_rank_against_each_formu
         # gloo's fp32 ring all-reduce: 2 (N-1)/N of the payload on each rank's sockets.
         assert modes["fp32_all_reduce"]["bytes_met"], modes["fp32_all_reduce"]
         # cs3ray's exchanges: exactly the formula in point-to-point bytes, and no more messages than a ring.
-        for name, per_ring in (("int8_all_reduce", 2 * (n - 1)), ("fsdp_int8_reduce_scatter", n - 1)):
+        # FSDP2's fp32 reduce-scatter goes through cs3ray's exchange on gloo (gloo's own sends an all-reduce).
+        for name, per_ring in (("int8_all_reduce", 2 * (n - 1)), ("fsdp_int8_reduce_scatter", n - 1),
+                               ("fsdp_fp32_reduce_scatter", n - 1)):
             m = modes[name]
             assert m["bytes_per_rank"] == m["formula_bytes_per_rank"], (n, name, m)
             assert m["messages_per_rank"] == m["ring_messages_per_rank"] == per_ring, (n, name, m)
             assert m["wire_bytes_per_rank"] < 1.05 * m["bytes_per_rank"], (n, name, m)
         # int8 sends about a quarter of fp32's bytes.
         assert modes["int8_all_reduce"]["bytes_per_rank"] < 0.27 * modes["fp32_all_reduce"]["bytes_per_rank"]
-        # torch's gloo reduce-scatter sends at least a ring reduce-scatter's bytes (today: an all-reduce's).
-        assert modes["fsdp_fp32_reduce_scatter"]["bytes_ratio"] >= 0.9
-    assert r["met"] == (r["not_met"] == [])
+    assert r["met"] and r["not_met"] == [], r["not_met"]
 
 
 @pytest.mark.parametrize("ranks", ["2,x", "1,2", "4.5", "", "2,,4", "65"])
