@@ -31,6 +31,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped like `like`: pinned when `like` is on a GPU (its copy runs asynchronously),
+    else page-aligned, so a chunk goes to the disk straight from it (direct_io, no bounce copy)."""
+    if like.is_cuda and torch.cuda.is_available():
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+    raw = torch.from_numpy(direct_io.aligned_empty(like.numel() * like.element_size()))
+    return (raw.view(like.dtype) if raw.numel() else torch.empty(0, dtype=like.dtype, device="cpu")).view(like.shape)
+
+
 class Stager:
     """Copies a state dict's tensors into host buffers reused across saves, hashing the host ones.
 
@@ -46,16 +55,19 @@ class Stager:
         self.digests: dict[tuple[int, int], str] = {}
 
     def _buffer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Leaf i's host buffer: kept while the leaf keeps its shape, dtype and (DTensor) layout."""
         buf = self._buffers[i]
-        if buf is not None and buf.shape == x.shape and buf.dtype == x.dtype and type(buf) is type(x):
+        if (buf is not None and buf.shape == x.shape and buf.dtype == x.dtype and type(buf) is type(x)
+                and getattr(buf, "_spec", None) == getattr(x, "_spec", None)):
             return buf
-        if hasattr(x, "device_mesh"):  # a DTensor: a buffer with the same mesh and placements
-            buf = x.detach().clone()
-        elif x.is_cuda and torch.cuda.is_available():
-            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        else:  # page-aligned, so a chunk goes to the disk straight from here (direct_io, no bounce copy)
-            raw = torch.from_numpy(direct_io.aligned_empty(x.numel() * x.element_size()))
-            buf = (raw.view(x.dtype) if raw.numel() else torch.empty(0, dtype=x.dtype)).view(x.shape)
+        host = _host_buffer(_local(x))
+        if hasattr(x, "device_mesh"):
+            # The same mesh and placements over a host shard (torch's own async staging does the same);
+            # DTensor.from_local would move the shard back to the mesh's device.
+            buf = x.detach().to("cpu") if _local(x).device.type != "cpu" else x.detach().clone()
+            buf._local_tensor = host
+        else:
+            buf = host
         self._buffers[i] = buf
         return buf
 
@@ -70,11 +82,8 @@ class Stager:
                 buf = self._buffer(i, x)
                 src = x.detach()
                 if _local(src).is_cuda:
-                    copy_into(buf, src)
+                    copy_into(_local(buf), _local(src))  # device to pinned host, asynchronous
                     on_gpu = True
-                elif hasattr(src, "device_mesh"):
-                    copy_into(buf, src)  # DTensor ops stay on this thread; the pool only hashes
-                    host.append((buf, None))
                 else:
                     host.append((buf, src))
                 x = buf
@@ -84,12 +93,11 @@ class Stager:
             torch.cuda.synchronize()  # the buffers are complete before training may change the tensors
         return tree_unflatten(out, spec)
 
-    def _run_host(self, jobs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[tuple[tuple[int, int], str]]:
-        """Copy (where a source is given) and hash every host buffer, largest first, on the pool."""
-        def one(job: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[tuple[int, int], str]:
+    def _run_host(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[tuple[int, int], str]]:
+        """Copy and hash every host buffer, largest first, on the pool."""
+        def one(job: tuple[torch.Tensor, torch.Tensor]) -> tuple[tuple[int, int], str]:
             buf, src = job
-            if src is not None:
-                copy_into(buf, src)
+            copy_into(_local(buf), _local(src))
             blob = tensor_blob(_local(buf))
             return blob_key(blob), digest(blob)
 

@@ -130,3 +130,21 @@ def test_staging_hashes_host_tensors_and_the_writer_reuses_those_hashes(tmp_path
     fresh["model"]["big"] = torch.zeros(700, 1024)
     CheckpointManager(str(tmp_path / "run")).load(fresh)  # every chunk still matches its name
     assert torch.equal(fresh["model"]["big"], state["model"]["big"])
+
+
+def test_staging_allocates_its_host_buffers_on_the_host_whatever_the_default_device():
+    # The device check of cs3ray.ops.device_probe: a buffer cs3ray allocates without naming the host would
+    # follow the default device (on a GPU rank: device memory, the second copy staging exists to avoid).
+    from cs3ray.ops.device_probe import cs3ray_allocations_on
+
+    state = {**_state(4), "empty": torch.zeros(0), "half": torch.randn(8, dtype=torch.bfloat16)}
+    with cs3ray_allocations_on("meta"):
+        staged = Stager().stage(state)
+    for key in ("empty", "half"):
+        assert staged[key].device.type == "cpu" and torch.equal(staged[key], state[key])
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    # A tensor on another device (meta stands in for a GPU here) gets a host buffer of its shape and dtype.
+    stager = Stager()
+    stager._buffers = [None]
+    buf = stager._buffer(0, torch.empty(4, 3, dtype=torch.float16, device="meta"))
+    assert buf.device.type == "cpu" and buf.shape == (4, 3) and buf.dtype == torch.float16
