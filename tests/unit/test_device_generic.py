@@ -115,3 +115,35 @@ def test_a_host_allocation_beside_the_data_is_caught():
         assert scope["scale"](x).shape == x.shape
         with cs3ray_allocations_on("meta"), pytest.raises(FakeTensorDeviceMismatchError):
             scope["scale"](x)
+
+
+def test_serving_allocates_on_the_models_device():
+    # The built-in engine (continuous batching, slot KV cache, sampling) and `cs3 generate`'s loop, with every
+    # device-less allocation of cs3ray's sent to `meta`: the model's data is on the CPU, so any such tensor
+    # meeting it (or read back to the host) raises. Outputs equal the same runs without the check.
+    from cs3ray.models import PRESETS, Transformer
+    from cs3ray.models.generate import SamplingParams, generate_ids
+    from cs3ray.serve.engine import Engine
+    from cs3ray.serve.sequence import GenRequest
+
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"]).eval()
+    prompts = [[257, *range(40 + i, 44 + 3 * i)] for i in range(4)]
+
+    def serve() -> list:
+        reqs = [GenRequest(p, SamplingParams(temperature=0.8 * (i % 2), top_k=20, top_p=0.9, max_tokens=8, seed=i),
+                           ignore_eos=True) for i, p in enumerate(prompts)]
+        out = [""] * len(reqs)
+        engine = Engine(model, 257)
+        for i, r in enumerate(reqs):
+            r.emit = lambda ev, i=i: out.__setitem__(i, out[i] + ev.text)
+            engine.submit(r)
+        while engine.waiting or engine.running:
+            engine.step()
+        generated = generate_ids(model, prompts[0], SamplingParams(temperature=0.7, max_tokens=6, seed=3))
+        return [*out, generated]
+
+    expected = serve()
+    assert all(expected[:4]) and expected[4]
+    with cs3ray_allocations_on("meta"):
+        assert serve() == expected
