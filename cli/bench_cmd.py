@@ -179,13 +179,16 @@ def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="
 
 @app.command("balance", epilog=EXIT_CODES)
 @user_errors
-def balance_cmd(slowdown: float = typer.Option(2.0, "--slowdown", min=1.0, help="How much slower rank 1 is per row."),
+def balance_cmd(straggler: str = typer.Option("burn", "--straggler",
+                                              help="burn: rank 1 burns CPU per row (--slowdown); contention: rank 1 "
+                                                   "shares its core with a CPU-bound process."),
+                slowdown: float = typer.Option(2.0, "--slowdown", min=1.0,
+                                               help="--straggler burn: how much slower rank 1 is per row."),
                 quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
-    """A straggler rank (slower per row it processes), tiny preset on 2 workers: tokens/s with and without
-    train.balance, rows per rank and each rank's busy share."""
+    """A straggler rank, tiny preset on 2 workers: tokens/s with and without train.balance, rows per rank and
+    each rank's compute share."""
     from cs3ray.bench import balance as balance_bench
 
     r = measured("balance", balance_bench.run, quick, slowdown,
-                 log=lambda line: err_console.print(line, highlight=False))
-    emit(f"load balancing: rank 1 {r['slowdown']:g}x slower per row; measured after step {r['measured_after_step']}",
-         balance_bench.COLUMNS, balance_bench.rows(r), r, as_json)
+                 log=lambda line: err_console.print(line, highlight=False), straggler=straggler)
+    emit(balance_bench.title(r), balance_bench.COLUMNS, balance_bench.rows(r), r, as_json)

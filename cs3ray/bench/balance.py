@@ -1,18 +1,28 @@
 """`cs3 bench balance`: a straggler rank, with and without `train.balance`, in one run and one cluster.
 
-Two workers train the tiny preset (fp32, the same seed, data and steps). Rank 1 is made `slowdown`
-times slower in proportion to the rows it processes: a `data.transform` keeps its thread busy
-for (slowdown - 1) x the model's measured CPU time per row on every micro-batch it reads (a slower
-node's share of the work, not a fixed sleep per step, so giving it fewer rows helps as it would).
-The per-row cost is measured first in this process with one thread, as each worker runs.
+Two workers train the tiny preset (fp32, the same seed, data and steps). Rank 1 is the straggler,
+one of two kinds (`--straggler`):
+
+- `burn`: rank 1 is `slowdown` times slower in proportion to the rows it processes: a
+  `data.transform` keeps its thread busy for (slowdown - 1) x the model's measured CPU time per
+  row on every micro-batch it reads (a slower node's share of the work, not a fixed sleep per
+  step, so giving it fewer rows helps as it would). The per-row cost is measured first in this
+  process with one thread, as each worker runs.
+- `contention`: a noisy neighbour. A CPU-bound process is pinned to the last core and so is rank 1
+  (every thread of its worker, `sched_setaffinity`, from the transform's first call); rank 0 gets
+  the other cores. Rank 1's thread does the same work but waits for its core, which its CPU time
+  does not show and its compute time (cs3ray.core.busy) does.
+
 Throughput is taken over the steps after the balanced run's first re-split (two measuring windows
-plus one), in both runs; `rank_utilization` is each rank's CPU-busy share of a window's wall time,
+plus one), in both runs; `rank_utilization` is each rank's compute share of a window's wall time,
 before the re-split and in the last window.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -20,28 +30,50 @@ from typing import Any, Callable
 import numpy as np
 
 from cs3ray.config import load_config
+from cs3ray.errors import UserError
 from cs3ray.ops.cluster import ray_cluster
 
 SLOW_RANK_ENV, SECONDS_PER_ROW_ENV = "CS3_BENCH_SLOW_RANK", "CS3_BENCH_SLOW_S_PER_ROW"
+SHARED_CORE_ENV = "CS3_BENCH_SHARED_CORE"  # contention: the core rank 1 shares with the competing process
+STRAGGLERS = ("burn", "contention")
 TRANSFORM = "cs3ray.bench.balance:slow_rows"
 BASE = ["model.preset=tiny", "data.source=python-stdlib", "data.max_bytes=2000000", "train.seq_len=128",
         "train.batch_size=16", "train.lr=3e-3", "train.warmup_steps=2", "train.log_every=1", "train.eval_every=100000",
         "train.eval_batches=1", "checkpoint.every=100000", "cluster.workers=2", "precision=fp32",
         f"data.transform={TRANSFORM}"]
-TARGETS = {"balanced_speedup": 1.3}
+TARGETS = {"balanced_speedup": 1.3, "slow_rank_utilization_after": 0.85}
+SEEDS_UTILIZATION = (0.68, 0.92)  # the seeds' article: utilisation before and after balancing
+_pinned = False
+
+
+def _pin_process(cores: set[int]) -> None:
+    """Pin every thread of this process to `cores` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that has just ended
+            pass
 
 
 def slow_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """data.transform of the benchmark: on the slowed rank, keep this thread busy for the extra time its rows cost."""
+    """data.transform of the benchmark: make the slow rank a straggler of the kind the environment names."""
+    global _pinned
     rank, per_row = os.environ.get(SLOW_RANK_ENV), float(os.environ.get(SECONDS_PER_ROW_ENV, "0"))
-    if rank is not None and per_row > 0:
-        import ray.train
+    shared = os.environ.get(SHARED_CORE_ENV)
+    if rank is None or (per_row <= 0 and shared is None):
+        return batch
+    import ray.train
 
-        if ray.train.get_context().get_world_rank() == int(rank):
-            until = time.thread_time() + per_row * len(batch["tokens"])
-            x = np.ones(256, dtype=np.float64)
-            while time.thread_time() < until:  # CPU work, as a slower core does: counted as busy time
-                x = np.sqrt(x + 1.0)
+    slow = ray.train.get_context().get_world_rank() == int(rank)
+    if shared is not None and not _pinned:
+        core = int(shared)
+        _pin_process({core} if slow else set(range(os.cpu_count() or 1)) - {core})
+        _pinned = True
+    if slow and per_row > 0:
+        until = time.thread_time() + per_row * len(batch["tokens"])
+        x = np.ones(256, dtype=np.float64)
+        while time.thread_time() < until:  # CPU work, as a slower core does: counted as busy time
+            x = np.sqrt(x + 1.0)
     return batch
 
 
@@ -84,16 +116,40 @@ def _tokens_per_s(events: list[dict], after: int) -> float:
     return tokens / seconds if seconds else float("nan")
 
 
-def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Both runs; the JSON-able result."""
-    steps, every = (12, 2) if quick else (60, 5)
-    overrides = BASE + [f"train.steps={steps}", f"train.balance_every={every}"]
+def _competitor(core: int) -> subprocess.Popen:
+    """A CPU-bound process pinned to `core`: the straggler's noisy neighbour."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+    os.sched_setaffinity(proc.pid, {core})
+    return proc
+
+
+def _straggler_env(straggler: str, slowdown: float, overrides: list[str],
+                   log: Callable[[str], None]) -> dict[str, str]:
+    """What the transform in the workers reads (they inherit the embedded cluster's environment)."""
+    if straggler == "contention":
+        return {SLOW_RANK_ENV: "1", SHARED_CORE_ENV: str((os.cpu_count() or 1) - 1)}
     per_row = seconds_per_row(overrides)
     log(f"the model's CPU time per row on one thread: {per_row * 1e3:.2f} ms; rank 1 slowed {slowdown:g}x")
-    saved = {k: os.environ.get(k) for k in (SLOW_RANK_ENV, SECONDS_PER_ROW_ENV)}
-    # Read by the transform in the workers, which inherit the embedded cluster's environment.
-    os.environ.update({SLOW_RANK_ENV: "1", SECONDS_PER_ROW_ENV: repr((slowdown - 1) * per_row)})
+    return {SLOW_RANK_ENV: "1", SECONDS_PER_ROW_ENV: repr((slowdown - 1) * per_row)}
+
+
+def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] = print,
+        straggler: str = "burn") -> dict[str, Any]:
+    """Both runs; the JSON-able result."""
+    if straggler not in STRAGGLERS:
+        raise UserError(f"--straggler must be one of {', '.join(STRAGGLERS)}; got {straggler!r}")
+    if straggler == "contention" and (os.cpu_count() or 1) < 2:
+        raise UserError("--straggler contention needs 2 cores or more: rank 0 must keep a core to itself")
+    steps, every = (12, 2) if quick else (60, 5)
+    overrides = BASE + [f"train.steps={steps}", f"train.balance_every={every}"]
+    env = _straggler_env(straggler, slowdown, overrides, log)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    competitor = None
     try:
+        if straggler == "contention":
+            log(f"rank 1 shares core {env[SHARED_CORE_ENV]} with a CPU-bound process")
+            competitor = _competitor(int(env[SHARED_CORE_ENV]))
         with tempfile.TemporaryDirectory(prefix="cs3-bench-balance-") as root, \
                 ray_cluster(None, num_cpus=4, quiet=True, use_recorded=False):
             log("unbalanced: train.balance=false")
@@ -101,6 +157,9 @@ def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] =
             log("balanced: train.balance=true")
             balanced = _run(root, "balanced", overrides + ["train.balance=true"])
     finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -112,23 +171,34 @@ def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] =
         raise RuntimeError("the balanced run never re-split its batches: no persistent imbalance was measured")
     after = moved["step"] + every
     unbalanced_tps, balanced_tps = _tokens_per_s(plain, after), _tokens_per_s(balanced, after)
-    result = {"unbalanced_tokens_per_s": unbalanced_tps, "balanced_tokens_per_s": balanced_tps,
-              "balanced_speedup": balanced_tps / unbalanced_tps, "slowdown": slowdown, "slow_rank": 1,
+    figures = {"balanced_speedup": balanced_tps / unbalanced_tps,
+               "slow_rank_utilization_after": windows[-1]["utilization"][1]}
+    result = {"unbalanced_tokens_per_s": unbalanced_tps, "balanced_tokens_per_s": balanced_tps, **figures,
+              "straggler": straggler, "slowdown": slowdown if straggler == "burn" else None, "slow_rank": 1,
               "rank_utilization": {"before": windows[0]["utilization"], "after": windows[-1]["utilization"]},
+              "seeds_utilization": {"before": SEEDS_UTILIZATION[0], "after": SEEDS_UTILIZATION[1]},
               "shares": {"before": windows[0]["shares"], "after": moved["rebalanced"]},
               "rebalanced_at_step": moved["step"], "measured_after_step": after, "steps": steps,
-              "seconds_per_row": per_row}
+              "targets": {k: {"value": v, "at_least": TARGETS[k], "met": v >= TARGETS[k]} for k, v in figures.items()}}
     log(f"re-split at step {moved['step']}: shares {result['shares']['before']} -> {result['shares']['after']}")
     return result
 
 
+def title(r: dict[str, Any]) -> str:
+    """The table's title: the straggler and where throughput was measured."""
+    kind = (f"rank 1 {r['slowdown']:g}x slower per row" if r["straggler"] == "burn"
+            else "rank 1 shares its core with a CPU-bound process")
+    verdicts = "; ".join(f"{k} >= {t['at_least']:g}: {'met' if t['met'] else 'not met'}" for k, t in r["targets"].items())
+    return f"load balancing: {kind}; measured after step {r['measured_after_step']} ({verdicts})"
+
+
 def rows(r: dict[str, Any]) -> list[tuple]:
-    """Table rows: each run's tokens/s, shares and rank utilisation."""
-    u = r["rank_utilization"]
+    """Table rows: each run's tokens/s, shares and rank utilisation, next to the seeds' utilisation."""
+    u, seeds = r["rank_utilization"], r["seeds_utilization"]
     return [("unbalanced", f"{r['unbalanced_tokens_per_s']:,.0f}", str(r["shares"]["before"]),
-             ", ".join(f"{x:.2f}" for x in u["before"])),
+             ", ".join(f"{x:.2f}" for x in u["before"]), f"{seeds['before']:.2f}"),
             ("balanced", f"{r['balanced_tokens_per_s']:,.0f} ({r['balanced_speedup']:.2f}x)",
-             str(r["shares"]["after"]), ", ".join(f"{x:.2f}" for x in u["after"]))]
+             str(r["shares"]["after"]), ", ".join(f"{x:.2f}" for x in u["after"]), f"{seeds['after']:.2f}")]
 
 
-COLUMNS = ["run", "tokens/s", "rows per rank", "rank utilization"]
+COLUMNS = ["run", "tokens/s", "rows per rank", "rank utilization", "seeds' utilization"]

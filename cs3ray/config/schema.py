@@ -469,13 +469,12 @@ class JobConfig(Section):
             raise ValueError(f"compression.codec={self.compression.codec} cannot be used with parallel.pp > 1 yet")
 
     def _check_balance(self) -> None:
-        """train.balance re-splits the direct loader's micro-batches of a fixed-size group, measured on CPU workers."""
+        """train.balance re-splits the direct loader's micro-batches of a fixed-size group."""
         if not self.train.balance:
             return
         refused = {"data.loader=ray_data": self.data.loader == "ray_data",
                    "cluster.fault_tolerance=replicas": self.cluster.fault_tolerance == "replicas",
-                   "parallel.pp > 1": self.parallel.pp > 1,
-                   "cluster.use_gpu (its compute time is measured on CPU workers only)": self.cluster.use_gpu}
+                   "parallel.pp > 1": self.parallel.pp > 1}
         for what, bad in refused.items():
             if bad:
                 raise ValueError(f"train.balance cannot be used with {what}")

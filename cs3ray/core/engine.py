@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -21,6 +20,7 @@ from cs3ray.config import JobConfig
 from cs3ray.models.factory import count_parameters, model_from_config
 
 from . import parallel
+from .busy import BusyClock
 from .compress import CompressionHook
 from .fake import host_float
 from .freeze import apply_freeze
@@ -121,9 +121,9 @@ class ComputeCore:
         self.peak_bytes: int | None = None
         self.grad_bytes = 0
         self.grad_norm: float | None = None  # before clipping, of the last applied step (train.clip > 0)
-        # train.balance: this rank's rows / the data-parallel mean rows, and the CPU seconds of its steps so far.
+        # train.balance: this rank's rows / the data-parallel mean rows, and the compute time of its steps.
         self.sample_weight = 1.0
-        self.busy_s = 0.0
+        self.busy = BusyClock(device)
 
     def _forward_loss(self, x: torch.Tensor) -> torch.Tensor:
         ctx = autocast(self.precision, self.device) if self.autocast else contextlib.nullcontext()
@@ -157,7 +157,7 @@ class ComputeCore:
         if self.pipeline is not None:
             return self._pipeline_step(next_batch)
         total = 0.0
-        busy = time.thread_time()
+        self.busy.begin()
         if self.compression is not None:
             self.compression.begin_step(self.scaler.scale)
         for micro in range(self.grad_accum):
@@ -170,8 +170,8 @@ class ComputeCore:
                 # The data-parallel mean of weighted losses is the global batch's mean (train.balance).
                 self.scaler.scale_loss(loss * self.sample_weight).backward()
             total += host_float(loss.detach())
-        # This thread's CPU time, not the wall's: a wait for slower ranks in a collective is no work.
-        self.busy_s += time.thread_time() - busy
+        # Compute, not the wall's time: a wait for slower ranks in a collective is no work (cs3ray.core.busy).
+        self.busy.end()
         if self.fsdp and self.compression is not None:
             self.compression.end_sync()
         if self.sync_grads is not None:

@@ -247,7 +247,7 @@ class Worker:
         tracked = False  # this log window holds the step measured for peak memory
         participants = self.world
         balancer = Balancer([self.plan.micro_batch] * self.topo.dp) if t.balance and self.topo.dp > 1 else None
-        self._balance_mark = (time.perf_counter(), self.core.busy_s, p.step)
+        self._balance_mark = (time.perf_counter(), self.core.busy.seconds, p.step)
         while p.step < t.steps:
             t0 = time.perf_counter()
             if self.sync is not None:
@@ -317,11 +317,11 @@ class Worker:
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 
     def _rebalance(self, balancer: Balancer) -> None:
-        """End of a balance window: every rank's CPU-busy seconds and rows; re-split when the balancer says so."""
+        """End of a balance window: every rank's compute seconds and rows; re-split when the balancer says so."""
         wall0, busy0, step0 = self._balance_mark
-        wall, busy = time.perf_counter() - wall0, self.core.busy_s - busy0
+        wall, busy = time.perf_counter() - wall0, self.core.busy.seconds - busy0
         steps = self.progress.step - step0
-        self._balance_mark = (time.perf_counter(), self.core.busy_s, self.progress.step)
+        self._balance_mark = (time.perf_counter(), self.core.busy.seconds, self.progress.step)
         shares = balancer.shares
         rows = shares[self.topo.dp_rank] * self.plan.grad_accum * steps
         # One entry per data-parallel rank: the ranks of a tensor-parallel group take the same rows.

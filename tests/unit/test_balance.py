@@ -97,7 +97,7 @@ def _balanced_ranks(rank: int, world: int, results: dict) -> None:
                 losses.append(float(t) / world)
             state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().numpy().copy()
                      for k, v in core.model.state_dict().items()}
-            results[(strategy, precision, shares)] = (losses, grads, state, core.busy_s)
+            results[(strategy, precision, shares)] = (losses, grads, state, core.busy.seconds)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,8 @@ def test_balance_refuses_what_it_cannot_re_split():
     from conftest import ROOT
 
     load_config(ROOT / "configs/tiny.yaml", ["train.balance=true", "parallel.strategy=fsdp"])
-    for override, what in (("data.loader=ray_data", "data.loader=ray_data"), ("cluster.use_gpu=true", "use_gpu"),
+    load_config(ROOT / "configs/tiny.yaml", ["train.balance=true", "cluster.use_gpu=true"])  # timed by CUDA events
+    for override, what in (("data.loader=ray_data", "data.loader=ray_data"),
                            ("cluster.fault_tolerance=replicas", "replicas")):
         with pytest.raises(UserError, match=f"train.balance cannot be used with .*{what}"):
             load_config(ROOT / "configs/tiny.yaml", ["train.balance=true", override])
