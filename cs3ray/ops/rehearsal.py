@@ -27,6 +27,7 @@ from cs3ray.config import JobConfig, load_config
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.memory import payload_bytes
 from cs3ray.core.mesh import Topology
+from cs3ray.core.pipeline import virtual_stages
 from cs3ray.errors import UserError
 
 from .device_probe import cs3ray_allocations_on
@@ -171,12 +172,18 @@ class SentBytes(TorchDispatchMode):
 
 
 def _in_flight(cfg: JobConfig) -> int:
-    """Pipeline micro-batches whose activations the first stage holds at once (each forward is measured
-    alone): all of them with gpipe, as many as there are stages with 1f1b."""
+    """Forwards of one stage whose activations pipeline rank 0 holds at once (each forward is measured
+    alone): every micro-batch with gpipe, as many as there are ranks with 1f1b; with the interleaved
+    schedule torch's warm-up forwards of rank 0, (v - 1) pp + 2 (pp - 1), and the first steady one."""
     p = cfg.parallel
     if p.pp == 1:
         return 1
-    return p.pp_microbatches if p.pp_schedule == "gpipe" else min(p.pp, p.pp_microbatches)
+    if p.pp_schedule == "gpipe":
+        return p.pp_microbatches
+    v = virtual_stages(p.pp_schedule)
+    if v == 1:
+        return min(p.pp, p.pp_microbatches)
+    return min(v * p.pp_microbatches, (v - 1) * p.pp + 2 * (p.pp - 1) + 1)
 
 
 def _completed_allreduce(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future:
@@ -310,9 +317,11 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
                 before.clear()
                 before.update(live.sizes)
 
-            core.model.register_forward_pre_hook(forward_starts, prepend=True)  # before FSDP gathers the root
-            core.model.register_forward_hook(lambda *_: forward.append(live.current - forward.pop()
-                                                                        - _gathered_bytes(core.model, live, before)))
+            # What a stage's forward adds (with the interleaved schedule a rank runs several stages, one at a time).
+            for stage in core.pipeline.chunks.values() if core.pipeline is not None else [core.model]:
+                stage.register_forward_pre_hook(forward_starts, prepend=True)  # before FSDP gathers the root
+                stage.register_forward_hook(lambda *_, stage=stage: forward.append(
+                    live.current - forward.pop() - _gathered_bytes(stage, live, before)))
             if core.compression is not None:
                 reduce = core.compression.reduce
                 reduce.inline = True  # fake mode and the observers are this thread's

@@ -161,3 +161,20 @@ def test_a_pipeline_micro_batch_that_does_not_split_is_refused_in_one_line():
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert "--micro-batch a multiple of 2" in lines[0]
+
+
+def test_the_interleaved_schedule_is_rehearsed_from_a_job_config(tmp_path):
+    # Rank 0 holds stages 0 and 2 of 4: it sends stage 0's activations, stage 2's activations and stage 2's
+    # input gradients (3x 1f1b's sends), and holds torch's warm-up forwards of half-stages at once.
+    config = tmp_path / "job.yaml"
+    out = {}
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        config.write_text("model: {preset: tiny}\nprecision: bf16\ncluster: {workers: 4}\n"
+                          "train: {batch_size: 8, seq_len: 64}\n"
+                          f"parallel: {{strategy: fsdp, pp: 2, pp_schedule: {schedule}, pp_microbatches: 4}}\n")
+        proc = run_cs3(["plan", "--rehearse", "--config", str(config), "--json"], check=True)
+        out[schedule] = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, interleaved = out["1f1b"], out["interleaved_1f1b"]
+    assert interleaved["per_worker"]["model_state_bytes"] == plain["per_worker"]["model_state_bytes"]
+    assert interleaved["comm_bytes_by_op"]["send"] == 3 * plain["comm_bytes_by_op"]["send"]
+    assert interleaved["per_worker"]["activation_bytes"] > plain["per_worker"]["activation_bytes"] > 0
