@@ -7,8 +7,6 @@ from typing import Optional
 
 import typer
 
-from cs3ray.bench import cache as cache_bench
-from cs3ray.bench import peak
 from cs3ray.bench.report import EXIT_CODES, emit, measured
 
 from .common import JsonOpt, err_console, user_errors
@@ -54,6 +52,8 @@ def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
 def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch threads."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Measure the matmul peak (fp32 and bf16) that MFU is computed against."""
+    from cs3ray.bench import peak
+
     r = measured("peak", peak.run, threads, quick)
     emit("matmul peak", ["dtype", "TFLOP/s"],
          [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12)], r, as_json)
@@ -79,6 +79,8 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
               prefetch: int = typer.Option(4, min=0, help="Shards cs3's cache fetches ahead."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """3 shuffled epochs from a loopback S3 store: direct vs fsspec filecache vs cs3's tiered cache."""
+    from cs3ray.bench import cache as cache_bench
+
     r = measured("cache", cache_bench.run, size_mb, latency_ms, prefetch=prefetch, quick=quick,
                  log=lambda m: err_console.print(f"[dim]{m}[/]"))
     emit(f"shard reads, MB/s per epoch ({r['dataset_mb']} MB, {r['shards']} shards, {r['latency_ms']} ms/request)",

@@ -9,9 +9,6 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from cs3ray.config import load_config
-from cs3ray.data.cache import clear_node, node_stats, warm_node
-
 from .common import JsonOpt, OverridesArg, console, overrides_list, user_errors
 
 app = typer.Typer(help="The node-local shard cache: warm it before training, inspect it, clear it.",
@@ -20,6 +17,8 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="Job YAML whose cache and 
 
 
 def _config(config: Optional[str], overrides: Optional[list[str]]):
+    from cs3ray.config import load_config
+
     return load_config(config, overrides_list(overrides))
 
 
@@ -29,6 +28,8 @@ def warm(url: str = typer.Argument(..., help="Prepared shard set (folder with ma
          overrides: Optional[list[str]] = OverridesArg, config: Optional[str] = ConfigOpt,
          split: str = typer.Option("train", help="Which split to cache."), as_json: bool = JsonOpt) -> None:
     """Copy a shard set into this node's L2 cache (up to cache.disk_bytes), so step 1 reads local disk."""
+    from cs3ray.data.cache import warm_node
+
     cfg = _config(config, overrides)
     with Progress(TextColumn("warming L2"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=console, transient=True, disable=as_json) as bar:
@@ -50,6 +51,8 @@ def warm(url: str = typer.Argument(..., help="Prepared shard set (folder with ma
 def stats(overrides: Optional[list[str]] = OverridesArg, config: Optional[str] = ConfigOpt,
           as_json: bool = JsonOpt) -> None:
     """Hits, misses and bytes per tier, bytes read from L3 and time waited, summed over this node's processes."""
+    from cs3ray.data.cache import node_stats
+
     s, mib = node_stats(_config(config, overrides).cache), 2**20
     if as_json:
         print(json.dumps(s))
@@ -68,5 +71,7 @@ def stats(overrides: Optional[list[str]] = OverridesArg, config: Optional[str] =
 @user_errors
 def clear(overrides: Optional[list[str]] = OverridesArg, config: Optional[str] = ConfigOpt) -> None:
     """Delete every shard in the L2 cache directory (counters are kept)."""
+    from cs3ray.data.cache import clear_node
+
     done = clear_node(_config(config, overrides).cache)
     console.print(f"freed {done['freed_bytes'] / 2**20:,.1f} MiB at {done['disk_dir']}")

@@ -10,9 +10,6 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cs3ray.ckpt import CheckpointError, list_checkpoints, resolve_target, verify_checkpoints
-from cs3ray.config import runtime_storage_options
-
 from .common import (
     JsonOpt,
     ReplicaOpt,
@@ -34,6 +31,9 @@ def ls(run: str = typer.Argument(..., help="Run name (runs/<name>), path or URL.
        storage: Optional[list[str]] = StorageOverridesArg,
        storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Complete checkpoints of a run: step, world size, total and newly written bytes."""
+    from cs3ray.ckpt import list_checkpoints
+    from cs3ray.config import runtime_storage_options
+
     listing = list_checkpoints(run, runtime_storage_options(storage or [], storage_options))
     table = Table("step", "world", "tensor MB", "new MB", "chunks", "created", title=f"checkpoints of {listing['run']}")
     for r in listing["checkpoints"]:
@@ -51,6 +51,9 @@ def verify(target: str = typer.Argument(..., help="RUN (every checkpoint), RUN/S
            storage: Optional[list[str]] = StorageOverridesArg,
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Hash every file and every chunk against the manifest; exit 2 if any checkpoint is bad."""
+    from cs3ray.ckpt import CheckpointError, verify_checkpoints
+    from cs3ray.config import runtime_storage_options
+
     out = err_console if as_json else console
 
     def show(r: dict) -> None:
@@ -81,8 +84,10 @@ def export(target: str = typer.Argument(..., help="RUN (its newest checkpoint), 
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Write one consolidated model file that loads without cs3ray (safetensors or torch.load), or a Hugging Face
     Llama directory (--format hf) that transformers' LlamaForCausalLM.from_pretrained loads."""
+    from cs3ray.ckpt import CheckpointError, resolve_target
     from cs3ray.ckpt.export import FORMATS
     from cs3ray.ckpt.export import export as export_ckpt
+    from cs3ray.config import runtime_storage_options
     from cs3ray.core.precision import DTYPES
 
     if fmt not in FORMATS:
@@ -111,6 +116,7 @@ def import_hf(src: str = typer.Argument(..., help="Hugging Face Llama directory 
               storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Import a Hugging Face Llama directory (config.json, safetensors, tokenizer.json) as a run's step-0 checkpoint."""
     from cs3ray.ckpt.hf_import import import_hf as import_dir
+    from cs3ray.config import runtime_storage_options
 
     out = err_console if as_json else console
     r = import_dir(src, name, runtime_storage_options(storage or [], storage_options), tokenizer,

@@ -8,7 +8,6 @@ from typing import Callable, Optional, TypeVar
 import typer
 from rich.console import Console
 
-from cs3ray.config.redact import redact_value
 from cs3ray.errors import UserError
 
 console = Console()
@@ -43,6 +42,8 @@ StoredReplicasOpt = typer.Option(False, "--use-stored-replicas",
 
 def fail(message: str, code: int = 2) -> None:
     """Print one line to stderr and exit; a URL's password in it (a storage error names its URL) is hidden."""
+    from cs3ray.config.redact import redact_value
+
     err_console.print(f"[bold red]error:[/] {redact_value(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 

@@ -7,8 +7,6 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cs3ray.config import explain, load_config, to_yaml
-
 from .common import OverridesArg, console, overrides_list, user_errors
 
 app = typer.Typer(help="Inspect job configs.", no_args_is_help=True)
@@ -19,6 +17,8 @@ app = typer.Typer(help="Inspect job configs.", no_args_is_help=True)
 def show(config: str = typer.Argument(..., help="YAML config file."),
          overrides: Optional[list[str]] = OverridesArg) -> None:
     """Print the resolved config (defaults, file and overrides merged) as YAML."""
+    from cs3ray.config import load_config, to_yaml
+
     cfg = load_config(config, overrides_list(overrides))
     console.print(to_yaml(cfg), end="", highlight=False, markup=False)
 
@@ -26,6 +26,8 @@ def show(config: str = typer.Argument(..., help="YAML config file."),
 @app.command("explain")
 def explain_cmd() -> None:
     """List every config field with its default and meaning."""
+    from cs3ray.config import explain
+
     table = Table("field", "default", "description", show_lines=False)
     for name, default, desc in explain():
         table.add_row(name, default, desc)

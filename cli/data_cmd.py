@@ -8,12 +8,6 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-from cs3ray.config import runtime_storage_options
-from cs3ray.data import DataError, ShardSpec, open_corpus, prepare_shards_ray, train_tokenizer
-from cs3ray.models import load_tokenizer
-from cs3ray.ops.cluster import ray_cluster
-from cs3ray.storage import open_url
-
 from .common import AddressOpt, StorageOptionsOpt, StorageOverridesArg, console, user_errors
 
 app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
@@ -39,6 +33,12 @@ def prepare(src: str = typer.Argument(..., help="Corpus: 'python-stdlib', a dir/
             storage_options: Optional[str] = StorageOptionsOpt,
             as_json: bool = typer.Option(False, "--json", help="Print the manifest summary as JSON.")) -> None:
     """Tokenize SRC into fixed-length parquet shards plus manifest.json under DEST with a Ray Data pipeline."""
+    from cs3ray.config import runtime_storage_options
+    from cs3ray.data import ShardSpec, open_corpus, prepare_shards_ray
+    from cs3ray.models import load_tokenizer
+    from cs3ray.ops.cluster import ray_cluster
+    from cs3ray.storage import open_url
+
     if fmt not in ("auto", "text", "parquet", "jsonl"):
         raise typer.BadParameter(f"--format {fmt!r} is not one of auto, text, parquet, jsonl")
     options = runtime_storage_options(storage or [], storage_options)
@@ -79,6 +79,8 @@ def tokenizer_cmd(src: str = typer.Argument(..., help="Corpus: 'python-stdlib', 
                   text_column: str = typer.Option("text", help="Text column of parquet/jsonl sources."),
                   as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON.")) -> None:
     """Train a byte-level BPE tokenizer on SRC and write OUT/tokenizer.json (use it as data.tokenizer=OUT)."""
+    from cs3ray.data import DataError, train_tokenizer
+
     if fmt not in ("auto", "text", "parquet", "jsonl"):
         raise DataError(f"--format {fmt!r} is not one of auto, text, parquet, jsonl.")
     with Progress(TextColumn("training"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),

@@ -6,11 +6,6 @@ from typing import Optional
 
 import typer
 
-from cs3ray.ckpt import load_for_inference
-from cs3ray.config import runtime_storage_options
-from cs3ray.core.precision import inference_dtype
-from cs3ray.models.generate import SamplingParams, generate_text
-
 from .common import ReplicaOpt, StorageOptionsOpt, StorageOverridesArg, StoredReplicasOpt, console, user_errors
 
 
@@ -30,6 +25,11 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
              replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
              storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Continue PROMPT with the newest checkpoint of RUN."""
+    from cs3ray.ckpt import load_for_inference
+    from cs3ray.config import runtime_storage_options
+    from cs3ray.core.precision import inference_dtype
+    from cs3ray.models.generate import SamplingParams
+
     wanted = inference_dtype(dtype, "cpu") if dtype else None  # a bad name is refused before loading
     loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code,
                                 replicas=replica or [], stored_replicas=use_stored_replicas)
@@ -42,3 +42,10 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
                             max_tokens=min(max_tokens, budget), seed=seed)
     text = generate_text(loaded.model, loaded.tokenizer, prompt, params)
     console.print(prompt + text, highlight=False, markup=False, soft_wrap=True)
+
+
+def generate_text(*args, **kwargs) -> str:
+    """cs3ray.models.generate.generate_text, imported on the first call (a name tests can patch)."""
+    from cs3ray.models.generate import generate_text as sample
+
+    return sample(*args, **kwargs)

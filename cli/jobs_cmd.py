@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
 
-from cs3ray.config import load_config
 from cs3ray.errors import UserError
-from cs3ray.ops import job_credentials, jobs
 
 from .common import JsonOpt, OverridesArg, console, err_console, fail, overrides_list, user_errors
+
+if TYPE_CHECKING:
+    from cs3ray.ops import jobs
 
 DashboardOpt = typer.Option(None, "--address", envvar="RAY_ADDRESS",
                             help="The cluster's dashboard URL (http://HEAD:8265), as for `ray job submit`; a cluster "
@@ -27,6 +28,8 @@ app = typer.Typer(help="Ray jobs on a cluster: list, status, logs, stop.", no_ar
 
 
 def _dashboard(address: Optional[str]) -> jobs.Dashboard:
+    from cs3ray.ops import jobs
+
     dashboard = jobs.resolve_dashboard(address)
     err_console.print(f"using {dashboard.how}", highlight=False)
     return dashboard
@@ -46,6 +49,8 @@ def _env_vars(values: list[str]) -> dict[str, str]:
 
 def _shown(info: dict) -> dict:
     # Jobs submitted by other means (`ray job submit`) may carry a credential in their entrypoint.
+    from cs3ray.ops import job_credentials
+
     return {**info, "entrypoint": job_credentials.redact_entrypoint(info["entrypoint"] or "")}
 
 
@@ -61,6 +66,9 @@ def submit(config: str = typer.Argument(..., help="YAML job config, inside the w
            resume: bool = typer.Option(False, "--resume", help="Continue the run from its newest checkpoint."),
            overwrite: bool = typer.Option(False, "--overwrite", help="Start the run over.")) -> None:
     """Submit a training run as a Ray job and follow its logs until it ends (exit 1 if it fails)."""
+    from cs3ray.config import load_config
+    from cs3ray.ops import job_credentials, jobs
+
     root = os.path.abspath(working_dir)
     if not os.path.isdir(root):
         raise UserError(f"--working-dir '{working_dir}' is not a directory.")
@@ -100,6 +108,8 @@ def submit(config: str = typer.Argument(..., help="YAML job config, inside the w
 @user_errors
 def ls(address: Optional[str] = DashboardOpt, as_json: bool = JsonOpt) -> None:
     """Jobs on the cluster, newest first."""
+    from cs3ray.ops import jobs
+
     dashboard = _dashboard(address)
     client = jobs.client(dashboard)
     listed = sorted((_shown(jobs.describe(j)) for j in jobs.call(dashboard, client.list_jobs)),
@@ -117,6 +127,8 @@ def ls(address: Optional[str] = DashboardOpt, as_json: bool = JsonOpt) -> None:
 def status(job_id: str = typer.Argument(..., help="Job id (from `cs3 submit` or `cs3 jobs ls`)."),
            address: Optional[str] = DashboardOpt, as_json: bool = JsonOpt) -> None:
     """One job's status and message."""
+    from cs3ray.ops import jobs
+
     dashboard = _dashboard(address)
     client = jobs.client(dashboard)
     info = _shown(jobs.describe(jobs.call(dashboard, lambda: client.get_job_info(job_id))))
@@ -132,6 +144,8 @@ def status(job_id: str = typer.Argument(..., help="Job id (from `cs3 submit` or 
 def logs(job_id: str = typer.Argument(..., help="Job id."), address: Optional[str] = DashboardOpt,
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
     """A job's logs so far (or, with --follow, until it ends)."""
+    from cs3ray.ops import jobs
+
     dashboard = _dashboard(address)
     if follow:
         jobs.follow(dashboard, job_id, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
@@ -144,6 +158,8 @@ def logs(job_id: str = typer.Argument(..., help="Job id."), address: Optional[st
 @user_errors
 def stop(job_id: str = typer.Argument(..., help="Job id."), address: Optional[str] = DashboardOpt) -> None:
     """Ask a running job to stop (Ray sends it SIGTERM, then SIGKILL)."""
+    from cs3ray.ops import jobs
+
     dashboard = _dashboard(address)
     client = jobs.client(dashboard)
     stopped = jobs.call(dashboard, lambda: client.stop_job(job_id))

@@ -6,6 +6,7 @@ import os
 
 import typer
 
+# Every `cs3` run imports these modules: their commands import torch, Ray and cs3ray's heavy modules when they run.
 from . import bench_cmd, cache_cmd, ckpt_cmd, cluster_cmd, config_cmd, data_cmd, jobs_cmd
 from .generate_cmd import generate
 from .plan_cmd import plan_cmd

@@ -9,19 +9,25 @@ import typer
 from rich.table import Table
 
 from cs3ray.errors import UserError
-from cs3ray.ops.planner import GB, SCENARIOS, SHAPES, PlanInput, feasible_batch, plan, scenario_notes, shape
 
 from .common import JsonOpt, console, err_console, user_errors
 
+# cs3ray.ops.planner's SHAPES and SCENARIOS, named in the options' help (importing the planner imports torch);
+# a test checks they agree.
+SHAPE_NAMES = ("tiny", "small", "7b", "70b", "400b", "24t")
+SCENARIO_NAMES = ("24t-2048", "70b-24h")
+
 
 def _gb(n: float) -> str:
+    from cs3ray.ops.planner import GB
+
     return f"{n / GB:,.2f} GB"
 
 
 @user_errors
-def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named shape: {', '.join(SHAPES)}."),
+def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named shape: {', '.join(SHAPE_NAMES)}."),
              scenario: Optional[str] = typer.Option(None, "--scenario", help=f"A published scenario worked out: "
-                                                    f"{', '.join(SCENARIOS)} (sets the model and its figures)."),
+                                                    f"{', '.join(SCENARIO_NAMES)} (sets the model and its figures)."),
              params: Optional[float] = typer.Option(None, "--params", help="Parameter count (e.g. 13e9); needs --layers and --hidden."),
              layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Transformer blocks."),
              hidden: Optional[int] = typer.Option(None, "--hidden", min=8, help="Width of the residual stream."),
@@ -60,6 +66,8 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
              as_json: bool = JsonOpt) -> None:
     """Plan a training run: bytes per worker, the fewest workers that fit, checkpoint size and write time,
     bytes sent per step (with and without a codec), step time, tokens/s and days to train."""
+    from cs3ray.ops.planner import SCENARIOS, PlanInput, feasible_batch, plan, scenario_notes, shape
+
     notes: list[str] = []
     if (rehearse_layers or config) and not rehearse:
         raise UserError("--rehearse-layers and --config go with --rehearse")

@@ -9,13 +9,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cs3ray.config import runtime_storage_options
-from cs3ray.config.runs import RUNS_DIR
-from cs3ray.ops.report import REPORT_DIR, write_report
-from cs3ray.ops.runs_overview import list_runs, load_run
-from cs3ray.storage import open_url
-
 from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
+
+# cs3ray.config.runs.RUNS_DIR, for --dir's default (importing cs3ray.config imports torch); a test checks they agree.
+RUNS_DIR = "runs"
 
 runs_app = typer.Typer(help="Runs: list them with their status, steps, best validation loss and newest checkpoint.",
                        no_args_is_help=True)
@@ -28,6 +25,11 @@ def report(run: str = typer.Argument(..., help="Run name (runs/<name>), path or 
                                                                        "(default: <run dir>/report)."),
            storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Plot a run's loss, validation loss, tokens/s, MFU and cache hit rate (PNG each) and summarise it in report.md."""
+    from cs3ray.config import runtime_storage_options
+    from cs3ray.ops.report import REPORT_DIR, write_report
+    from cs3ray.ops.runs_overview import load_run
+    from cs3ray.storage import open_url
+
     options = runtime_storage_options(storage or [], storage_options)
     record = load_run(run, options)
     target = open_url(out, options) if out else record.storage.child(REPORT_DIR)
@@ -48,6 +50,9 @@ def ls(runs_dir: str = typer.Option(RUNS_DIR, "--dir", help="Folder (or URL) hol
        storage: Optional[list[str]] = StorageOverridesArg,
        storage_options: Optional[str] = StorageOptionsOpt, as_json: bool = JsonOpt) -> None:
     """Every run below --dir: status, steps, best validation loss, newest checkpoint."""
+    from cs3ray.config import runtime_storage_options
+    from cs3ray.ops.runs_overview import list_runs
+
     rows = [r.overview() for r in list_runs(runs_dir, runtime_storage_options(storage or [], storage_options))]
     table = Table("run", "status", "step", "best val loss", "checkpoint", "last event", title=f"runs in {runs_dir}")
     for r in rows:

@@ -11,12 +11,9 @@ from typing import Optional
 
 import typer
 
-from cs3ray.config import runtime_storage_options
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster_env import HAPROXY_SWITCH, haproxy_binary
 from cs3ray.ops.cluster_record import recorded_cluster
-from cs3ray.serve.deploy import check_tls_ingress, make_spec, pick_token
-from cs3ray.serve.launch import delete_app, run_app
 
 from .common import (
     AddressOpt,
@@ -64,6 +61,10 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           address: Optional[str] = AddressOpt,
           storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
+    from cs3ray.config import runtime_storage_options
+    from cs3ray.serve.deploy import check_tls_ingress, make_spec, pick_token
+    from cs3ray.serve.launch import run_app
+
     if run == STOP:
         stop_app(name, address)
         return
@@ -102,6 +103,8 @@ def use_haproxy(address: Optional[str]) -> None:
 
 def stop_app(name: Optional[str], address: Optional[str]) -> None:
     """`cs3 serve stop`: delete a (detached) application from a running cluster."""
+    from cs3ray.serve.launch import delete_app
+
     if not name:
         raise UserError("cs3 serve stop needs --name APP: the application to delete.")
     if not address:

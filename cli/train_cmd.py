@@ -8,9 +8,6 @@ from typing import Any, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cs3ray.config import load_config
-from cs3ray.train import TrainingError, train
-
 from .common import AddressOpt, JsonOpt, OverridesArg, console, err_console, fail, overrides_list, user_errors
 
 
@@ -72,6 +69,9 @@ def train_cmd(config: str = typer.Argument(..., help="YAML job config (see confi
               as_json: bool = JsonOpt,
               verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's and the workers' logs.")) -> None:
     """Train a model: prepare shards if needed, start the workers, checkpoint, summarise."""
+    from cs3ray.config import load_config
+    from cs3ray.train import TrainingError, train
+
     extra = overrides_list(overrides) + ([f"run.name={name}"] if name else [])
     cfg = load_config(config, extra)
     with TrainProgress(cfg.train.steps, enabled=not as_json) as progress:

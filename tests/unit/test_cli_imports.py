@@ -1,0 +1,38 @@
+"""`cs3` starts without torch, Ray or torch.distributed.checkpoint: each command imports them when it runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "torch.distributed.checkpoint", "ray")
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    """The modules of HEAVY a fresh interpreter has imported after running `code`."""
+    check = f"\nimport sys\nprint('heavy:', *(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()[-1].split()[1:]
+
+
+def test_importing_the_cli_imports_no_heavy_module():
+    assert heavy_modules_after("import cs3ray_cli.main") == []
+
+
+def test_help_imports_no_heavy_module():
+    # --help builds every command's options, as any `cs3` invocation does before running one.
+    code = ("import sys\nfrom cs3ray_cli.main import main\nsys.argv = ['cs3', '--help']\n"
+            "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
+    assert heavy_modules_after(code) == []
+
+
+def test_the_cli_copies_of_library_names_agree():
+    # Option help and defaults name them without importing their (torch-importing) modules.
+    from cs3ray.config.runs import RUNS_DIR
+    from cs3ray.ops.planner import SCENARIOS, SHAPES
+    from cs3ray_cli import plan_cmd, report_cmd
+
+    assert plan_cmd.SHAPE_NAMES == tuple(SHAPES)
+    assert plan_cmd.SCENARIO_NAMES == tuple(SCENARIOS)
+    assert report_cmd.RUNS_DIR == RUNS_DIR
