@@ -8,9 +8,9 @@ one of two kinds (`--straggler`):
   row on every micro-batch it reads (a slower node's share of the work, not a fixed sleep per
   step, so giving it fewer rows helps as it would). The per-row cost is measured first in this
   process with one thread, as each worker runs.
-- `contention`: a noisy neighbour. A CPU-bound process is pinned to the last core and so is rank 1
-  (every thread of its worker, `sched_setaffinity`, from the transform's first call); rank 0 gets
-  the other cores. Rank 1's thread does the same work but waits for its core, which its CPU time
+- `contention`: a noisy neighbour. A CPU-bound process at the workers' niceness is pinned to the
+  last core and so is rank 1 (every thread of its worker, `sched_setaffinity`, from the transform's
+  first call); rank 0 gets the other cores. Rank 1's thread does the same work but waits for its core, which its CPU time
   does not show and its compute time (cs3ray.core.busy) does.
 
 Throughput is taken over the steps after the balanced run's first re-split (two measuring windows
@@ -35,6 +35,7 @@ from cs3ray.ops.cluster import ray_cluster
 
 SLOW_RANK_ENV, SECONDS_PER_ROW_ENV = "CS3_BENCH_SLOW_RANK", "CS3_BENCH_SLOW_S_PER_ROW"
 SHARED_CORE_ENV = "CS3_BENCH_SHARED_CORE"  # contention: the core rank 1 shares with the competing process
+RAY_WORKER_NICENESS = 15  # Ray starts worker processes at this niceness unless RAY_worker_niceness says otherwise
 STRAGGLERS = ("burn", "contention")
 TRANSFORM = "cs3ray.bench.balance:slow_rows"
 BASE = ["model.preset=tiny", "data.source=python-stdlib", "data.max_bytes=2000000", "train.seq_len=128",
@@ -117,9 +118,11 @@ def _tokens_per_s(events: list[dict], after: int) -> float:
 
 
 def _competitor(core: int) -> subprocess.Popen:
-    """A CPU-bound process pinned to `core`: the straggler's noisy neighbour."""
+    """A CPU-bound process pinned to `core` at the workers' niceness: the straggler's noisy neighbour, with an
+    even share of the core (at nice 0 it would take 97% of it from a worker at Ray's nice 15)."""
     proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
     os.sched_setaffinity(proc.pid, {core})
+    os.setpriority(os.PRIO_PROCESS, proc.pid, int(os.environ.get("RAY_worker_niceness", RAY_WORKER_NICENESS)))
     return proc
 
 

@@ -1,4 +1,7 @@
-"""`cs3 bench balance --quick`: a rank slowed per row is given fewer rows, and the JSON holds the figures."""
+"""`cs3 bench balance --quick`: a straggler rank is given fewer rows, and the JSON holds the figures.
+
+Two kinds of straggler: a rank that burns CPU per row (its thread's CPU time shows it), and a rank that
+shares its core with another process (only its compute time, run plus run-queue delay, shows it)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,22 @@ from conftest import run_cs3
 
 
 @pytest.mark.slow
-def test_quick_run_resplits_towards_the_faster_rank(tmp_path):
-    proc = run_cs3(["bench", "balance", "--quick", "--json"], cwd=tmp_path, timeout=600)
+@pytest.mark.parametrize("straggler", ["burn", "contention"])
+def test_quick_run_resplits_towards_the_faster_rank(tmp_path, straggler):
+    proc = run_cs3(["bench", "balance", "--quick", "--straggler", straggler, "--json"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["straggler"] == straggler
     for key in ("unbalanced_tokens_per_s", "balanced_tokens_per_s", "balanced_speedup"):
         assert r[key] > 0
     before, after = r["shares"]["before"], r["shares"]["after"]
     assert before == [16, 16] and sum(after) == 32 and after[0] > after[1]  # rank 1 is the slow one
     assert len(r["rank_utilization"]["before"]) == len(r["rank_utilization"]["after"]) == 2
+    assert set(r["targets"]) == {"balanced_speedup", "slow_rank_utilization_after"}
+    assert r["seeds_utilization"] == {"before": 0.68, "after": 0.92}
+
+
+def test_an_unknown_straggler_is_one_line_and_exit_2():
+    proc = run_cs3(["bench", "balance", "--straggler", "sleepy"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--straggler must be one of burn, contention" in proc.stderr
