@@ -27,9 +27,12 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
 
     r = measured("train", train_bench.run, config, quick, threads,
                  log=lambda line: err_console.print(line, highlight=False))
+    from cs3ray.bench.stats import shown
+
+    verdicts = ", ".join(f"{k} >= {r['targets'][k]:g}: {v}" for k, v in r["verdicts"].items())
     emit(f"training throughput ({r['config']}, {r['threads']} threads, peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
-         f"medians of {r['rounds']} rounds: overhead ratio {r['overhead_ratio']:.3f}, vs Ray Train "
-         f"{r['overhead_vs_ray_train']:.3f}; fsdp/ddp state {r['fsdp_state_ratio']:.2f}; "
+         f"medians of {r['rounds']} rounds [95% interval]: overhead ratio {shown(r, 'overhead_ratio', 3)}, vs Ray "
+         f"Train {shown(r, 'overhead_vs_ray_train', 3)} ({verdicts}); fsdp/ddp state {r['fsdp_state_ratio']:.2f}; "
          f"pp2_1f1b/ddp tokens/s {r['pp2_1f1b_vs_ddp']:.2f})",
          ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
 

@@ -14,8 +14,9 @@ one of two kinds (`--straggler`):
   does not show and its compute time (cs3ray.core.busy) does.
 
 Throughput is taken over the steps after the balanced run's first re-split (two measuring windows
-plus one), in both runs; `rank_utilization` is each rank's compute share of a window's wall time,
-before the re-split and in the last window.
+plus one), in both runs, and per balance window of those steps (the rounds of the speedup's
+interval, cs3ray.bench.stats); `rank_utilization` is each rank's compute share of a window's wall
+time, before the re-split and in the last window.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from cs3ray.config import load_config
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster import ray_cluster
 
+from . import stats
+
 SLOW_RANK_ENV, SECONDS_PER_ROW_ENV = "CS3_BENCH_SLOW_RANK", "CS3_BENCH_SLOW_S_PER_ROW"
 SHARED_CORE_ENV = "CS3_BENCH_SHARED_CORE"  # contention: the core rank 1 shares with the competing process
 RAY_WORKER_NICENESS = 15  # Ray starts worker processes at this niceness unless RAY_worker_niceness says otherwise
@@ -43,6 +46,8 @@ BASE = ["model.preset=tiny", "data.source=python-stdlib", "data.max_bytes=200000
         "train.eval_batches=1", "checkpoint.every=100000", "cluster.workers=2", "precision=fp32",
         f"data.transform={TRANSFORM}"]
 TARGETS = {"balanced_speedup": 1.3, "slow_rank_utilization_after": 0.85}
+ROUNDS_METHOD = (f"rounds: the balance windows after the re-split, the two runs' same steps paired (one cluster, "
+                 f"the runs one after the other); {stats.METHOD}")
 SEEDS_UTILIZATION = (0.68, 0.92)  # the seeds' article: utilisation before and after balancing
 _pinned = False
 
@@ -109,12 +114,18 @@ def _run(root: str, name: str, overrides: list[str]) -> list[dict]:
     return events
 
 
-def _tokens_per_s(events: list[dict], after: int) -> float:
-    """Tokens over time of the progress windows after step `after`."""
-    windows = [e for e in events if e["event"] == "progress" and e["step"] > after]
+def _tokens_per_s(events: list[dict], after: int, until: int | None = None) -> float:
+    """Tokens over time of the progress windows after step `after` (up to step `until`)."""
+    windows = [e for e in events if e["event"] == "progress" and after < e["step"] <= (until or e["step"])]
     tokens = sum(e["tokens_per_s"] * e["step_time_s"] for e in windows)
     seconds = sum(e["step_time_s"] for e in windows)
     return tokens / seconds if seconds else float("nan")
+
+
+def _speedup_rounds(plain: list[dict], balanced: list[dict], after: int, every: int, steps: int) -> list[float]:
+    """The speedup per balance window of measured steps, the two runs' same steps paired."""
+    return [_tokens_per_s(balanced, lo, lo + every) / _tokens_per_s(plain, lo, lo + every)
+            for lo in range(after, steps - every + 1, every)]
 
 
 def _competitor(core: int) -> subprocess.Popen:
@@ -174,15 +185,16 @@ def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] =
         raise RuntimeError("the balanced run never re-split its batches: no persistent imbalance was measured")
     after = moved["step"] + every
     unbalanced_tps, balanced_tps = _tokens_per_s(plain, after), _tokens_per_s(balanced, after)
-    figures = {"balanced_speedup": balanced_tps / unbalanced_tps,
-               "slow_rank_utilization_after": windows[-1]["utilization"][1]}
+    figures = {**stats.summarize("balanced_speedup", _speedup_rounds(plain, balanced, after, every, steps)),
+               **stats.summarize("slow_rank_utilization_after",
+                                 [w["utilization"][1] for w in windows if w["step"] > moved["step"]])}
     result = {"unbalanced_tokens_per_s": unbalanced_tps, "balanced_tokens_per_s": balanced_tps, **figures,
               "straggler": straggler, "slowdown": slowdown if straggler == "burn" else None, "slow_rank": 1,
               "rank_utilization": {"before": windows[0]["utilization"], "after": windows[-1]["utilization"]},
               "seeds_utilization": {"before": SEEDS_UTILIZATION[0], "after": SEEDS_UTILIZATION[1]},
               "shares": {"before": windows[0]["shares"], "after": moved["rebalanced"]},
               "rebalanced_at_step": moved["step"], "measured_after_step": after, "steps": steps,
-              "targets": {k: {"value": v, "at_least": TARGETS[k], "met": v >= TARGETS[k]} for k, v in figures.items()}}
+              "targets": TARGETS, "verdicts": stats.judge(figures, TARGETS), "method": ROUNDS_METHOD}
     log(f"re-split at step {moved['step']}: shares {result['shares']['before']} -> {result['shares']['after']}")
     return result
 
@@ -191,7 +203,7 @@ def title(r: dict[str, Any]) -> str:
     """The table's title: the straggler and where throughput was measured."""
     kind = (f"rank 1 {r['slowdown']:g}x slower per row" if r["straggler"] == "burn"
             else "rank 1 shares its core with a CPU-bound process")
-    verdicts = "; ".join(f"{k} >= {t['at_least']:g}: {'met' if t['met'] else 'not met'}" for k, t in r["targets"].items())
+    verdicts = "; ".join(f"{k} {stats.shown(r, k)} >= {r['targets'][k]:g}: {v}" for k, v in r["verdicts"].items())
     return f"load balancing: {kind}; measured after step {r['measured_after_step']} ({verdicts})"
 
 
@@ -200,7 +212,7 @@ def rows(r: dict[str, Any]) -> list[tuple]:
     u, seeds = r["rank_utilization"], r["seeds_utilization"]
     return [("unbalanced", f"{r['unbalanced_tokens_per_s']:,.0f}", str(r["shares"]["before"]),
              ", ".join(f"{x:.2f}" for x in u["before"]), f"{seeds['before']:.2f}"),
-            ("balanced", f"{r['balanced_tokens_per_s']:,.0f} ({r['balanced_speedup']:.2f}x)",
+            ("balanced", f"{r['balanced_tokens_per_s']:,.0f} ({stats.shown(r, 'balanced_speedup')}x)",
              str(r["shares"]["after"]), ", ".join(f"{x:.2f}" for x in u["after"]), f"{seeds['after']:.2f}")]
 
 

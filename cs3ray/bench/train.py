@@ -7,7 +7,7 @@ trains the same job with 1 worker (its cost over the plain process: `overhead_ra
 Ray Train alone: `overhead_vs_ray_train`), and with 2 workers for every strategy (what sharding
 costs and saves). The host's speed drifts within minutes, so the three 1-worker modes take
 turns in ROUNDS rounds in one cluster (each round in another order) and every ratio is the
-median of the rounds' own ratios. Steady-state rates only: the first steps (warm-up,
+median of the rounds' own ratios, with its 95% interval and a verdict per target (cs3ray.bench.stats). Steady-state rates only: the first steps (warm-up,
 allocation) are left out of every measurement. The pipeline modes split the model into 2 stages
 (one per worker) and the same global batch into PP_MICROBATCHES micro-batches, one run per schedule.
 """
@@ -30,6 +30,7 @@ from cs3ray.models import train_flops_per_token
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.train.driver import prepare_data, train
 
+from . import stats
 from .plain_loop import plain_loop, ray_train_peer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
@@ -43,6 +44,8 @@ ROUNDS = 3
 ONE_WORKER_MODES = ("plain", "ray_train", "cs3ray")
 # The 1-worker modes every round, 2 workers per strategy and per pipeline schedule.
 MODES = ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) + len(PIPELINES)
+# Targets of the interleaved 1-worker ratios (docs/benchmarks.md); each gets a verdict from its interval.
+TARGETS = {"overhead_vs_ray_train": 0.98, "overhead_ratio": 0.97}
 
 
 def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int, int] = (3, 15)) -> tuple[int, int]:
@@ -185,6 +188,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     for r in results.values():
         r["mfu"] = mfu(r["tokens_per_s"], flops_per_token, 2, peak_per_worker)
     ddp_state = results["ddp"]["state_bytes_per_worker"] or 1
+    ratios = {**stats.summarize("overhead_ratio", [x["cs3ray"] / x["plain"] for x in rounds]),
+              **stats.summarize("overhead_vs_ray_train", [x["cs3ray"] / x["ray_train"] for x in rounds])}
     return {
         "config": config, "threads": threads, "peak_flops": peak, "peak_flops_per_worker_of_2": peak_per_worker,
         "flops_per_token": flops_per_token, "rounds": len(rounds),
@@ -192,8 +197,7 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         "baseline_mfu": mfu(baseline, flops_per_token, 1, peak),
         "ray_train_tokens_per_s": ray_train_rate, "ray_train_runs_tokens_per_s": [x["ray_train"] for x in rounds],
         "cs3_tokens_per_s": cs3_rate, "cs3_runs_tokens_per_s": [x["cs3ray"] for x in rounds],
-        "overhead_ratio": median(x["cs3ray"] / x["plain"] for x in rounds),
-        "overhead_vs_ray_train": median(x["cs3ray"] / x["ray_train"] for x in rounds),
+        **ratios, "targets": TARGETS, "verdicts": stats.judge(ratios, TARGETS), "method": stats.METHOD,
         "mfu": mfu(cs3_rate, flops_per_token, 1, peak), "worker_reported_mfu": median(worker_mfu),
         "strategies": results,
         "fsdp_state_ratio": (results["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state,

@@ -24,7 +24,10 @@ def test_quick_run_resplits_towards_the_faster_rank(tmp_path, straggler):
     before, after = r["shares"]["before"], r["shares"]["after"]
     assert before == [16, 16] and sum(after) == 32 and after[0] > after[1]  # rank 1 is the slow one
     assert len(r["rank_utilization"]["before"]) == len(r["rank_utilization"]["after"]) == 2
-    assert set(r["targets"]) == {"balanced_speedup", "slow_rank_utilization_after"}
+    assert set(r["verdicts"]) == set(r["targets"]) == {"balanced_speedup", "slow_rank_utilization_after"}
+    assert set(r["verdicts"].values()) <= {"met", "not met", "inconclusive"}
+    low, high = r["balanced_speedup_interval"]
+    assert len(r["balanced_speedup_rounds"]) >= 3 and low <= high
     assert r["seeds_utilization"] == {"before": 0.68, "after": 0.92}
 
 
