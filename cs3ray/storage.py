@@ -39,6 +39,9 @@ PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "P
 # What cs3 writes locally (configs, checkpoints, events, shards, the cache) is its owner's alone; the modes
 # are given where each file and folder is created, so no process-wide umask touches Ray's own logs.
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
+# The retry loop's clock and sleep, looked up at each call: tests stand in for them rather than time the host.
+_clock: Callable[[], float] = time.monotonic
+_sleep: Callable[[float], None] = time.sleep
 
 
 class StorageError(UserError):
@@ -90,12 +93,12 @@ def retry(fn: Callable[[], T], deadline_s: float,
     are raised at once; the last transient one rides on DeadlineExceeded.
     """
     perm = permanent if callable(permanent) else (lambda exc: isinstance(exc, permanent))
-    start = time.monotonic()
+    start = _clock()
     attempt, last = 0, None
     while True:
-        left = deadline_s - (time.monotonic() - start)
+        left = deadline_s - (_clock() - start)
         if left <= 0:
-            raise DeadlineExceeded(last, attempt, time.monotonic() - start)
+            raise DeadlineExceeded(last, attempt, _clock() - start)
         attempt += 1
         try:
             return _bounded(fn, left) if bounded else fn()
@@ -106,7 +109,7 @@ def retry(fn: Callable[[], T], deadline_s: float,
             if on_retry:
                 on_retry(exc)
         sleep = min(max_sleep_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-        time.sleep(max(0.0, min(sleep, deadline_s - (time.monotonic() - start))))
+        _sleep(max(0.0, min(sleep, deadline_s - (_clock() - start))))
 
 
 def short_error(exc: BaseException | None) -> str:

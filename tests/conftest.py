@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Ray head per test session, a real S3 endpoint (moto server), CLI runner."""
+"""Shared fixtures: one real Ray head per test session, a real S3 endpoint (moto server), CLI runner, and
+a stand-in clock for the storage retries."""
 
 from __future__ import annotations
 
@@ -105,6 +106,28 @@ def run_cs3(args: list[str], env: dict | None = None, cwd: Path | None = None, t
     if check and proc.returncode != 0:
         raise AssertionError(f"cs3 {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+class RetryClock:
+    """cs3ray.storage's retry clock and sleep: time passes only in the backoff waits, which are recorded, not slept."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cs3ray import storage
+
+        self.now: float = 0.0
+        self.waits: list[float] = []
+        monkeypatch.setattr(storage, "_clock", lambda: self.now)
+        monkeypatch.setattr(storage, "_sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def retry_clock(monkeypatch) -> RetryClock:
+    """Storage retries under a RetryClock: a test checks their waits and deadline instead of timing them."""
+    return RetryClock(monkeypatch)
 
 
 @pytest.fixture(scope="session")

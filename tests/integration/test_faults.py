@@ -15,7 +15,7 @@ import pytest
 from cs3ray.config import load_config
 from cs3ray.train.elastic import global_samples
 
-from conftest import ROOT
+from conftest import ROOT, RetryClock
 
 
 def _events(path):
@@ -90,7 +90,8 @@ def test_replicas_keep_training_through_a_sigkill_and_the_replacement_heals(ray_
                                                  "samples_expected": 20 * global_batch}
 
 
-def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog):
+def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_clearly(s3_server, caplog,
+                                                                                         monkeypatch):
     import torch
 
     from cs3ray.bench.loopback_s3 import LatencyProxy
@@ -98,9 +99,10 @@ def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_
 
     endpoint, options = s3_server
     proxy = LatencyProxy(endpoint, latency_s=0.0)
-    # botocore's own retries off, so the outage reaches cs3ray's retry (it would otherwise hide short ones).
+    # botocore's own retries off, so the outage reaches cs3ray's retry (it would otherwise hide short ones):
+    # `total_max_attempts` counts the first request (`max_attempts: 1` left one retry).
     opts = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": proxy.url},
-            "config_kwargs": {"retries": {"max_attempts": 1}}}
+            "config_kwargs": {"retries": {"total_max_attempts": 1}}}
     url = f"s3://cs3/outage-{uuid.uuid4().hex[:8]}"
     torch.manual_seed(0)
     state = {"model": {f"w{i}": torch.randn(128, 64) for i in range(12)}}
@@ -121,10 +123,11 @@ def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_
         assert any(r.getMessage().startswith("retrying") for r in caplog.records)
 
         proxy.down = True  # an outage that outlasts the deadline: one clear error, no traceback
-        t0 = time.time()
+        clock = RetryClock(monkeypatch)  # from here on the retries' waits are recorded, not slept
         with pytest.raises(CheckpointError) as info:
             CheckpointManager(url, opts, retry_deadline_s=1.5).load(fresh)
-        assert time.time() - t0 < 10
+        # The restore gave up after one deadline's worth of backoff, not one per file or location it tried.
+        assert sum(clock.waits) == pytest.approx(1.5), clock.waits
         assert "within 1.5s" in str(info.value) and "check that the storage is reachable" in str(info.value)
     finally:
         proxy.down = False

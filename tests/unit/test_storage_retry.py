@@ -7,7 +7,7 @@ The failures come from a real fsspec filesystem (fsspec's in-memory one, registe
 from __future__ import annotations
 
 import errno
-import time
+import threading
 
 import fsspec
 import pytest
@@ -26,6 +26,8 @@ class FlakyFS(MemoryFileSystem):
     protocol = "flaky"
     plan: list = []
     calls: list[tuple[str, str]] = []
+    hangs_ended = 0  # hung calls that have returned
+    release = threading.Event()  # set: every hang ends at once
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -36,7 +38,8 @@ class FlakyFS(MemoryFileSystem):
         if self.plan:
             fault = self.plan.pop(0)
             if isinstance(fault, (int, float)):
-                time.sleep(fault)  # a request that hangs
+                self.release.wait(fault)  # a request that hangs
+                type(self).hangs_ended += 1
             elif fault is not None:
                 raise fault
 
@@ -58,9 +61,10 @@ fsspec.register_implementation("flaky", FlakyFS, clobber=True)
 
 @pytest.fixture
 def flaky(request):
-    FlakyFS.plan, FlakyFS.calls = [], []
+    FlakyFS.plan, FlakyFS.calls, FlakyFS.hangs_ended, FlakyFS.release = [], [], 0, threading.Event()
     yield f"flaky://{request.node.name}"
     FlakyFS.plan = []
+    FlakyFS.release.set()  # calls the test left hanging end now
     mem = MemoryFileSystem()
     if mem.exists(f"/{request.node.name}"):
         mem.rm(f"/{request.node.name}", recursive=True)
@@ -82,42 +86,48 @@ def test_transient_errors_are_retried_until_the_call_succeeds(flaky, caplog):
     (PermissionError(errno.EACCES, "access denied"), "no permission"),
     (OSError(errno.ENOSPC, "no space left on device"), "no space left"),
 ])
-def test_permanent_errors_fail_at_once(flaky, fault, words):
+def test_permanent_errors_fail_at_once(flaky, retry_clock, fault, words):
     st = open_url(flaky)
     FlakyFS.plan = [fault, None, None]
-    t0 = time.monotonic()
     with pytest.raises(StorageError, match=words):
         st.read_bytes("a.bin")
-    assert len(FlakyFS.calls) == 1 and time.monotonic() - t0 < 0.5
+    assert len(FlakyFS.calls) == 1 and retry_clock.waits == []  # one attempt, no backoff before the error
 
 
-def test_giving_up_is_one_clear_sentence_and_a_hung_call_cannot_outlive_the_deadline(flaky):
+def test_retries_back_off_until_the_deadline_then_give_up_in_one_clear_sentence(flaky, retry_clock):
     st = open_url(flaky, retry_deadline_s=0.6)
     st.write_bytes(b"x", "a.bin")
-    FlakyFS.plan = [ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")] * 100
-    t0 = time.monotonic()
+    FlakyFS.plan, FlakyFS.calls = [ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")] * 100, []
     with pytest.raises(StorageError) as info:
         st.read_bytes("a.bin")
-    msg = str(info.value)
-    assert time.monotonic() - t0 < 1.5 and len(FlakyFS.calls) >= 3
-    assert msg.startswith(f"could not read '{flaky}/a.bin' within 0.6s (") and "connection refused" in msg
+    msg, waits = str(info.value), retry_clock.waits
+    # After each failed attempt a backoff that doubles (0.1 s, 0.2 s...; jittered to half to all of it),
+    # the last one cut to end at the deadline; no attempt after it.
+    assert len(FlakyFS.calls) == len(waits) >= 3 and sum(waits) == pytest.approx(0.6)
+    assert all(0.05 * 2**i <= w <= 0.1 * 2**i for i, w in enumerate(waits[:-1])), waits
+    assert 0 < waits[-1] <= 0.1 * 2 ** (len(waits) - 1), waits
+    assert msg.startswith(f"could not read '{flaky}/a.bin' within 0.6s ({len(waits)} attempts; ")
+    assert "connection refused" in msg
     assert msg.count(". ") == 0 and msg.endswith("reachable.")
-    FlakyFS.plan, FlakyFS.calls = [30.0], []
-    t0 = time.monotonic()
+
+
+def test_a_hung_call_cannot_outlive_the_deadline(flaky):
+    st = open_url(flaky, retry_deadline_s=0.6)
+    st.write_bytes(b"x", "a.bin")
+    FlakyFS.plan = [30.0] * 100  # every call hangs
     with pytest.raises(StorageError, match="no answer within"):
         st.read_bytes("a.bin")
-    assert time.monotonic() - t0 < 1.5
+    assert FlakyFS.hangs_ended == 0  # the error came at the deadline, with the request still hanging
 
 
-def test_the_checkpoint_section_sets_the_retry_deadline(flaky):
+def test_the_checkpoint_section_sets_the_retry_deadline(flaky, retry_clock):
     cfg = build_config({"checkpoint": {"retry_deadline_s": 0.6}})
     mgr = CheckpointManager.from_config(flaky, cfg)
     assert mgr.run.retry_deadline_s == 0.6
     FlakyFS.plan = [ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")] * 100
-    t0 = time.monotonic()
     with pytest.raises(StorageError, match="within 0.6s"):
         mgr.run.read_bytes("missing.bin")
-    assert time.monotonic() - t0 < 1.5
+    assert sum(retry_clock.waits) == pytest.approx(0.6)  # retried for the section's 0.6 s, not the default 60 s
 
 
 def _state(seed):
