@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from cs3ray.config import load_config
 from cs3ray.core.mfu import mfu
+from cs3ray.core.pipeline import virtual_stages
 from cs3ray.core.peak import measure_peak
 from cs3ray.core.precision import compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
@@ -34,7 +35,8 @@ from . import stats
 from .plain_loop import plain_loop, ray_train_peer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
-PIPELINES = {"pp2_gpipe": "gpipe", "pp2_1f1b": "1f1b"}  # mode -> parallel.pp_schedule, 2 stages
+# mode -> parallel.pp_schedule on 2 ranks (the interleaved schedule: 4 stages, 2 a rank)
+PIPELINES = {"pp2_gpipe": "gpipe", "pp2_1f1b": "1f1b", "pp2_interleaved_1f1b": "interleaved_1f1b"}
 PP_MICROBATCHES = 8
 # The measured and warm-up steps' share of the default run's 10 minutes: the rest goes to data,
 # peaks, each cs3ray and Ray Train run's start (the larger part on 2 cores), the slow first
@@ -55,9 +57,10 @@ def steps_for_budget(step_s: float, budget_s: float, modes: int, most: tuple[int
     return warmup, max(2, min(most[1], per_mode - warmup))
 
 
-def bubble_theoretical(stages: int, microbatches: int) -> float:
-    """The idle share of a stage in a GPipe or 1F1B step with equal stages: (p-1)/(m+p-1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_theoretical(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a rank in a GPipe or 1F1B step with equal stages, (p-1)/(m+p-1); with `virtual`
+    stages a rank (interleaved 1F1B) the fill and drain are `virtual` times shorter: (p-1)/(v m+p-1)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
@@ -162,7 +165,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
             log(f"  {r['steady_tokens_per_s']:,.0f} tokens/s, state {mem.get('state_bytes', 0) / 1e6:.1f} MB/worker")
         for mode, schedule in PIPELINES.items():
             # One pipeline of 2 stages holds the whole global batch (the 2-worker strategies split it in 2).
-            log(f"cs3ray, 2 workers, pipeline of 2 stages, {schedule}, {PP_MICROBATCHES} micro-batches")
+            theory = bubble_theoretical(2, PP_MICROBATCHES, virtual_stages(schedule))
+            log(f"cs3ray, 2 workers, pipeline of 2 ranks, {schedule}, {PP_MICROBATCHES} micro-batches")
             r = cs3_run(config, common + ["cluster.workers=2", f"cluster.cpus_per_worker={max(1, threads // 2)}",
                                            f"train.batch_size={batch}", "parallel.pp=2",
                                            f"parallel.pp_schedule={schedule}",
@@ -171,9 +175,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
             results[mode] = {"tokens_per_s": r["steady_tokens_per_s"], "worker_reported_mfu": r["mfu"],
                              "state_bytes_per_worker": max((m.get("state_bytes") or 0) for m in r.get("memory") or [{}]),
                              "peak_mem_bytes": mem.get("peak_bytes"), "bubble_fraction": r.get("bubble_fraction"),
-                             "bubble_theoretical": bubble_theoretical(2, PP_MICROBATCHES)}
-            log(f"  {r['steady_tokens_per_s']:,.0f} tokens/s, bubble {r.get('bubble_fraction')} "
-                f"(theory {bubble_theoretical(2, PP_MICROBATCHES):.3f})")
+                             "bubble_theoretical": theory}
+            log(f"  {r['steady_tokens_per_s']:,.0f} tokens/s, bubble {r.get('bubble_fraction')} (theory {theory:.3f})")
 
     def median(values) -> float:
         return float(statistics.median(values))
@@ -201,7 +204,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         "mfu": mfu(cs3_rate, flops_per_token, 1, peak), "worker_reported_mfu": median(worker_mfu),
         "strategies": results,
         "fsdp_state_ratio": (results["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state,
-        "pp2_1f1b_vs_ddp": results["pp2_1f1b"]["tokens_per_s"] / (results["ddp"]["tokens_per_s"] or 1),
+        **{f"{mode}_vs_ddp": results[mode]["tokens_per_s"] / (results["ddp"]["tokens_per_s"] or 1)
+           for mode in ("pp2_1f1b", "pp2_interleaved_1f1b")},
         "warmup_steps": peer_warmup, "steps_measured": steps, "wall_s": round(time.perf_counter() - started, 1),
     }
 

@@ -345,14 +345,11 @@ def test_cli_serve_beyond_loopback_without_token_exits_2_before_starting_ray(tmp
     marker = f"CS3_TEST_MARKER={uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "CS3_SERVE_TOKEN")}
     env[marker.split("=")[0]] = marker.split("=")[1]
-    start = time.monotonic()
     proc = run_cs3(["serve", str(run), "--host", "0.0.0.0"], env=env, timeout=120)
-    took = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     assert "--token" in proc.stderr and "CS3_SERVE_TOKEN" in proc.stderr and "--insecure" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not processes_with(marker), "cs3 serve started processes (Ray) before refusing"
-    assert took < 30, f"the refusal took {took:.1f} s: it should come before Ray starts"  # CLI start-up, busy host
 
 
 @pytest.mark.slow
