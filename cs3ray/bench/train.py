@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from cs3ray.config import load_config
 from cs3ray.core.mfu import mfu
-from cs3ray.core.pipeline import virtual_stages
 from cs3ray.core.peak import measure_peak
+from cs3ray.core.pipeline import virtual_stages
 from cs3ray.core.precision import compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
 from cs3ray.models import train_flops_per_token
