@@ -30,7 +30,8 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
     from cs3ray.bench.stats import shown
 
     verdicts = ", ".join(f"{k} >= {r['targets'][k]:g}: {v}" for k, v in r["verdicts"].items())
-    emit(f"training throughput ({r['config']}, {r['threads']} threads, peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
+    emit(f"training throughput ({r['config']}, {r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}, "
+         f"peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
          f"medians of {r['rounds']} rounds [95% interval]: overhead ratio {shown(r, 'overhead_ratio', 3)}, vs Ray "
          f"Train {shown(r, 'overhead_vs_ray_train', 3)} ({verdicts}); fsdp/ddp state {r['fsdp_state_ratio']:.2f}; "
          f"pp2_1f1b/ddp tokens/s {r['pp2_1f1b_vs_ddp']:.2f})",

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from cs3ray.config import load_config
 from cs3ray.core.mfu import mfu
-from cs3ray.core.peak import measure_peak
+from cs3ray.core.peak import cpu_features, measure_peak
 from cs3ray.core.pipeline import virtual_stages
 from cs3ray.core.precision import compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
@@ -80,6 +80,7 @@ def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[s
             n = window["tokens_seen"] - before["tokens_seen"]
             tokens, seconds = tokens + n, seconds + n / window["tokens_per_s"]
     summary["steady_tokens_per_s"] = tokens / seconds if seconds else summary["tokens_per_s"]
+    summary["window_step_s"] = [round(w["step_time_s"], 4) for w in progress]
     return summary
 
 
@@ -130,6 +131,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     one_worker = common + ["cluster.workers=1", f"cluster.cpus_per_worker={threads}", f"train.batch_size={batch}"]
     results: dict[str, Any] = {}
     rounds: list[dict[str, float]] = []
+    # Per round and 1-worker mode: the peers' every step, cs3ray's mean step per log window (warm-up included).
+    step_times: list[dict[str, list[float]]] = []
     worker_mfu: list[float] = []
     with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root, \
             ray_cluster(None, num_cpus=threads + 4, quiet=True, use_recorded=False):
@@ -138,19 +141,22 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         for rnd in range(ROUNDS):
             rates: dict[str, float] = {}
             walls: dict[str, float] = {}
+            times: dict[str, list[float]] = {mode: [] for mode in ONE_WORKER_MODES}
             for mode in ONE_WORKER_MODES[rnd % 3:] + ONE_WORKER_MODES[:rnd % 3]:
                 t0 = time.perf_counter()
                 if mode == "plain":
-                    rates[mode] = plain_loop(base, data, threads, peer_warmup, steps)
+                    rates[mode] = plain_loop(base, data, threads, peer_warmup, steps, times[mode])
                 elif mode == "ray_train":
                     rates[mode] = ray_train_peer(base, data, threads, peer_warmup, steps,
-                                                 os.path.join(root, "ray-train"))
+                                                 os.path.join(root, "ray-train"), times[mode])
                 else:
                     one = cs3_run(config, one_worker, root, f"one-{rnd}")
                     rates[mode] = one["steady_tokens_per_s"]
+                    times[mode] = one["window_step_s"]
                     worker_mfu.append(one["mfu"])
                 walls[mode] = time.perf_counter() - t0
             rounds.append(rates)
+            step_times.append(times)
             log(f"round {rnd + 1}, tokens/s (wall s): " + ", ".join(
                 f"{m} {rates[m]:,.0f} ({walls[m]:.0f})" for m in ONE_WORKER_MODES))
         for strategy in STRATEGIES:
@@ -194,7 +200,8 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     ratios = {**stats.summarize("overhead_ratio", [x["cs3ray"] / x["plain"] for x in rounds]),
               **stats.summarize("overhead_vs_ray_train", [x["cs3ray"] / x["ray_train"] for x in rounds])}
     return {
-        "config": config, "threads": threads, "peak_flops": peak, "peak_flops_per_worker_of_2": peak_per_worker,
+        "config": config, "threads": threads, "cpu_features": cpu_features(), "step_s": step_times,
+        "peak_flops": peak, "peak_flops_per_worker_of_2": peak_per_worker,
         "flops_per_token": flops_per_token, "rounds": len(rounds),
         "baseline_tokens_per_s": baseline, "baseline_runs_tokens_per_s": [x["plain"] for x in rounds],
         "baseline_mfu": mfu(baseline, flops_per_token, 1, peak),

@@ -11,6 +11,19 @@ from typing import Callable
 
 import torch
 
+# The instruction sets that decide a CPU's matmul speed per dtype (a bench prints which it ran on).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Which of CPU_FEATURES this host's CPU has (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [name for name in CPU_FEATURES if name in flags]
+
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b

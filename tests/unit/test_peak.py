@@ -46,3 +46,13 @@ def test_a_slow_dtype_keeps_the_peak_measurement_near_its_budget(monkeypatch):
     # A fast dtype: three warm-ups, then products timed four at a time.
     fast = _products(monkeypatch, tick=0.01, seconds=0.1)
     assert fast > 3 and (fast - 3) % 4 == 0
+
+
+def test_cpu_features_name_the_instruction_sets_that_set_matmul_speed(tmp_path):
+    from cs3ray.core.peak import cpu_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+                    "processor\t: 1\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert cpu_features(str(info)) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert cpu_features(str(tmp_path / "missing")) == []
