@@ -9,7 +9,7 @@ one of two kinds (`--straggler`):
   step, so giving it fewer rows helps as it would). The per-row cost is measured first in this
   process with one thread, as each worker runs.
 - `contention`: a noisy neighbour. A CPU-bound process at the workers' niceness is pinned to the
-  last core and so is rank 1 (every thread of its worker, `sched_setaffinity`, from the transform's
+  last core this process may use and so is rank 1 (every thread of its worker, `sched_setaffinity`, from the transform's
   first call); rank 0 gets the other cores. Rank 1's thread does the same work but waits for its core, which its CPU time
   does not show and its compute time (cs3ray.core.busy) does.
 
@@ -73,7 +73,7 @@ def slow_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     slow = ray.train.get_context().get_world_rank() == int(rank)
     if shared is not None and not _pinned:
         core = int(shared)
-        _pin_process({core} if slow else set(range(os.cpu_count() or 1)) - {core})
+        _pin_process({core} if slow else os.sched_getaffinity(0) - {core})
         _pinned = True
     if slow and per_row > 0:
         until = time.thread_time() + per_row * len(batch["tokens"])
@@ -141,7 +141,7 @@ def _straggler_env(straggler: str, slowdown: float, overrides: list[str],
                    log: Callable[[str], None]) -> dict[str, str]:
     """What the transform in the workers reads (they inherit the embedded cluster's environment)."""
     if straggler == "contention":
-        return {SLOW_RANK_ENV: "1", SHARED_CORE_ENV: str((os.cpu_count() or 1) - 1)}
+        return {SLOW_RANK_ENV: "1", SHARED_CORE_ENV: str(max(os.sched_getaffinity(0)))}
     per_row = seconds_per_row(overrides)
     log(f"the model's CPU time per row on one thread: {per_row * 1e3:.2f} ms; rank 1 slowed {slowdown:g}x")
     return {SLOW_RANK_ENV: "1", SECONDS_PER_ROW_ENV: repr((slowdown - 1) * per_row)}
@@ -152,8 +152,9 @@ def run(quick: bool = False, slowdown: float = 2.0, log: Callable[[str], None] =
     """Both runs; the JSON-able result."""
     if straggler not in STRAGGLERS:
         raise UserError(f"--straggler must be one of {', '.join(STRAGGLERS)}; got {straggler!r}")
-    if straggler == "contention" and (os.cpu_count() or 1) < 2:
-        raise UserError("--straggler contention needs 2 cores or more: rank 0 must keep a core to itself")
+    if straggler == "contention" and len(os.sched_getaffinity(0)) < 2:
+        raise UserError("--straggler contention needs 2 cores or more (of those this process may use): rank 0 "
+                        "must keep a core to itself")
     steps, every = (12, 2) if quick else (60, 5)
     overrides = BASE + [f"train.steps={steps}", f"train.balance_every={every}"]
     env = _straggler_env(straggler, slowdown, overrides, log)
