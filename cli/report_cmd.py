@@ -11,7 +11,8 @@ from rich.table import Table
 
 from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
 
-# cs3ray.config.runs.RUNS_DIR, for --dir's default (importing cs3ray.config imports torch); a test checks they agree.
+# cs3ray.config.runs.RUNS_DIR, for --dir's default (importing cs3ray.config would load pydantic and fsspec for every
+# command, --help included); a test checks they agree.
 RUNS_DIR = "runs"
 
 runs_app = typer.Typer(help="Runs: list them with their status, steps, best validation loss and newest checkpoint.",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from cs3ray.models.args import ModelArgs
 from cs3ray.models.flops import train_flops_per_token
-from cs3ray.models.transformer import ModelArgs
 
 
 def model_flops_per_step(flops_per_token: float, tokens_per_step: int) -> float:

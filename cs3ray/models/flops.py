@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .transformer import ModelArgs
+from .args import ModelArgs
 
 
 def param_count(args: ModelArgs) -> int:

@@ -9,16 +9,17 @@ permuted per head on the way in and back on the way out.
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cs3ray.errors import UserError
 from cs3ray.storage import open_url
 
+from .args import ModelArgs
 from .bpe import BOS, EOS, PAD, BPETokenizer, byte_symbols
 from .tokenizer import ByteTokenizer
-from .transformer import ModelArgs, Transformer
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: reading a config needs none
+    import torch
 
 ARCHITECTURE = "LlamaForCausalLM"
 PREFIX = "hf:"  # train.init_from: hf:DIR names a Hugging Face directory, not a cs3ray run
@@ -152,6 +153,10 @@ def _rotary_rows(w: torch.Tensor, heads: int, to_pairs: bool) -> torch.Tensor:
 def from_hf(tensors: dict[str, torch.Tensor], args: ModelArgs,
             source: str = "the checkpoint") -> dict[str, torch.Tensor]:
     """cs3ray state dict (tied output included) from Hugging Face Llama tensors; extra or missing names are refused."""
+    import torch
+
+    from .transformer import Transformer
+
     with torch.device("meta"):  # shapes only: nothing allocated or initialised
         expected = Transformer(args).state_dict()
     out: dict[str, torch.Tensor] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .transformer import ModelArgs
+from .args import ModelArgs
 
 # Vocabulary is padded to a multiple of 8 for matmul-friendly shapes; the byte tokenizer
 # needs 259 ids. The large presets keep the vocabularies of the models they mirror.

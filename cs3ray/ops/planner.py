@@ -22,9 +22,9 @@ from cs3ray.core.compress.allreduce import PIECE
 from cs3ray.core.compress.codec import make_codec
 from cs3ray.core.parallel import DDP_BUCKET_MB
 from cs3ray.errors import UserError
+from cs3ray.models.args import ModelArgs
 from cs3ray.models.flops import param_count, train_flops_per_token
 from cs3ray.models.presets import PRESETS
-from cs3ray.models.transformer import ModelArgs
 
 GB = 1e9
 # A 24-trillion-parameter shape: 542 blocks of width 65536 (128-wide heads, grouped-query

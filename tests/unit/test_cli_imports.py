@@ -5,13 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from conftest import ROOT
+
 HEAVY = ("torch", "torch.distributed.checkpoint", "ray")
 
 
 def heavy_modules_after(code: str) -> list[str]:
     """The modules of HEAVY a fresh interpreter has imported after running `code`."""
     check = f"\nimport sys\nprint('heavy:', *(m for m in {HEAVY!r} if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()[-1].split()[1:]
 
@@ -25,6 +27,15 @@ def test_help_imports_no_heavy_module():
     code = ("import sys\nfrom cs3ray_cli.main import main\nsys.argv = ['cs3', '--help']\n"
             "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
     assert heavy_modules_after(code) == []
+
+
+def test_config_commands_run_without_torch(tmp_path):
+    # Reading, checking and explaining a job config needs a model's shape, never a model.
+    for args in (["config", "explain"], ["config", "show", "configs/tiny.yaml"]):
+        code = ("import sys\nfrom cs3ray_cli.main import main\n"
+                f"sys.argv = ['cs3', *{args!r}]\n"
+                "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
+        assert heavy_modules_after(code) == [], args
 
 
 def test_the_cli_copies_of_library_names_agree():
