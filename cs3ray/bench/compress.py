@@ -50,10 +50,12 @@ WORLD = 2
 STEPS, QUICK_STEPS = 300, 4
 TIMED_ROUNDS, QUICK_TIMED_ROUNDS = 8, 2
 LAST = 10  # final_loss: mean of the last steps' loss (less noise than one step)
+HELDOUT, QUICK_HELDOUT = 16, 2  # validation batches per rank for heldout_loss, the same for every codec
 DDP_CODECS = ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_quant_pertensor_hook", "torch_powersgd_r2")
 FSDP_CODECS = ("none", "int8", "int4_sparse", "torch_fsdp_reduce_bf16")
 OURS = ("int8", "int4_sparse")
-COLUMNS = ["strategy", "codec", "final loss", "loss delta %", "wire ratio", "overlap", "state MB/worker"]
+COLUMNS = ["strategy", "codec", "final loss", "loss delta %", "held-out loss", "held-out delta %", "wire ratio",
+           "overlap", "state MB/worker"]
 
 
 class _Recorder:
@@ -280,8 +282,17 @@ def _fsdp_overlap(core: ComputeCore, batch: Callable[[], np.ndarray], lr: float,
     return _hidden(step_s, compute_s, comm_s)
 
 
+def _heldout_loss(core: ComputeCore, rank: int, val: np.ndarray, per: int, count: int) -> float:
+    """Mean token loss over `count` validation batches per rank (the same rows for every codec), over both ranks."""
+    rows = [val[(i * WORLD * per + rank * per) % (len(val) - per):][:per] for i in range(count)]
+    total, tokens = core.evaluate(rows)
+    t = torch.tensor([total, tokens], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
 def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides: list[str], steps: int,
-           timed_rounds: int) -> dict[str, Any]:
+           timed_rounds: int, val: np.ndarray, heldout: int) -> dict[str, Any]:
     """Train one (strategy, codec) on this rank; losses are the ranks' mean."""
     ours = codec in OURS
     cfg = load_config(CONFIG, overrides + [f"cluster.workers={WORLD}", f"parallel.strategy={strategy}",
@@ -303,6 +314,7 @@ def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides:
         loss, _ = core.step(lambda batch=local: batch, lr=lr)
         losses.append(_mean_over_ranks(loss))
     train_s = time.perf_counter() - started
+    heldout_loss = _heldout_loss(core, rank, val, per, heldout)  # before the overlap timing steps change the model
     memory = core.memory()
     if strategy == "fsdp":
         stats = core.comm_stats()
@@ -313,6 +325,7 @@ def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides:
         wire = ratio(steps)
     result: dict[str, Any] = {
         "final_loss": float(np.mean(losses[-min(LAST, len(losses)):])), "first_loss": losses[0],
+        "heldout_loss": heldout_loss,
         "wire_ratio": wire, "state_bytes_per_worker": memory["state_bytes"] + (_hook_state_bytes(rec) if rec else 0),
         "residual_bytes": memory["residual_bytes"], "train_s": round(train_s, 2), "losses": losses,
     }
@@ -324,7 +337,7 @@ def _train(rank: int, strategy: str, codec: str, batches: np.ndarray, overrides:
 
 
 def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], batches: np.ndarray, overrides: list[str],
-               steps: int, timed_rounds: int, out: Any) -> None:
+               steps: int, timed_rounds: int, val: np.ndarray, heldout: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -333,7 +346,7 @@ def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], batches: np.nd
         for strategy, codec in jobs:
             try:
                 r = results[f"{strategy}/{codec}"] = _train(rank, strategy, codec, batches, overrides, steps,
-                                                            timed_rounds)
+                                                            timed_rounds, val, heldout)
                 if rank == 0:  # progress for the person waiting (the parent's log is in another process)
                     print(f"{strategy} {codec}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}, "
                           f"wire ratio {r['wire_ratio']:.4f}, {r['train_s']:.0f} s", file=sys.stderr, flush=True)
@@ -358,13 +371,15 @@ def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...
     log(f"preparing data for {CONFIG}")
     shards, manifest = prepare_data(cfg)
     batches = read_split(shards, manifest, "train")
+    val = read_split(shards, manifest, "val")
+    heldout = QUICK_HELDOUT if quick else HELDOUT
     jobs = [("ddp", c) for c in DDP_CODECS] + [("fsdp", c) for c in FSDP_CODECS]
     log(f"{len(jobs)} runs of {steps} steps, {WORLD} ranks (gloo), batch {cfg.train.batch_size} x "
         f"{cfg.train.seq_len} per rank")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, jobs, batches, ov, steps, rounds, out))
+    procs = [ctx.Process(target=_rank_main, args=(r, port, jobs, batches, ov, steps, rounds, val, heldout, out))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -384,10 +399,11 @@ def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...
                 res[c] = {"first_error": "not run: an earlier run failed"}
                 continue
             res[c] = {k: v for k, v in r.items() if k not in ("losses", "traceback")}
-        base = res.get("none", {}).get("final_loss")
-        for r in res.values():
-            if base and r.get("final_loss") is not None:
-                r["loss_delta_pct"] = 100 * (r["final_loss"] - base) / base
+        for loss, delta in (("final_loss", "loss_delta_pct"), ("heldout_loss", "heldout_loss_delta_pct")):
+            base = res.get("none", {}).get(loss)
+            for r in res.values():
+                if base and r.get(loss) is not None:
+                    r[delta] = 100 * (r[loss] - base) / base
         return res
     ddp, fsdp = table("ddp", DDP_CODECS), table("fsdp", FSDP_CODECS)
     for key, r in raw.items():
@@ -396,19 +412,21 @@ def run(quick: bool = False, steps: int | None = None, overrides: tuple[str, ...
     return {
         "config": CONFIG, "overrides": ov, "precision": resolve_precision(cfg.precision, torch.device("cpu")),
         "ranks": WORLD, "steps": steps, "final_loss_of_last": LAST, "timed_rounds": rounds,
+        "heldout_batches_per_rank": heldout,
         "codecs": ddp, "fsdp": {"codecs": fsdp},
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
 def rows(r: dict[str, Any]) -> list[tuple]:
-    """Table rows: strategy, codec, final loss, loss delta %, wire ratio, overlap, state MB per worker."""
+    """Table rows: strategy, codec, final and held-out loss with their deltas, wire ratio, overlap, state MB per worker."""
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
     out = []
     for strategy, codecs in (("ddp", r["codecs"]), ("fsdp", r["fsdp"]["codecs"])):
         for name, c in codecs.items():
             out.append((strategy, name, fmt(c.get("final_loss"), ".4f"), fmt(c.get("loss_delta_pct"), "+.2f"),
+                        fmt(c.get("heldout_loss"), ".4f"), fmt(c.get("heldout_loss_delta_pct"), "+.2f"),
                         fmt(c.get("wire_ratio"), ".4f"), fmt(c.get("overlap_fraction"), ".2f"),
                         fmt((c.get("state_bytes_per_worker") or 0) / 1e6, ".2f")))
     return out

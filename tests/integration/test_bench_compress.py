@@ -8,7 +8,8 @@ import pytest
 from cs3ray.bench import compress
 from cs3ray.bench.report import measured
 
-FIELDS = {"final_loss", "loss_delta_pct", "wire_ratio", "overlap_fraction", "state_bytes_per_worker"}
+FIELDS = {"final_loss", "loss_delta_pct", "heldout_loss", "heldout_loss_delta_pct", "wire_ratio", "overlap_fraction",
+          "state_bytes_per_worker"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -20,6 +21,7 @@ def test_quick_run_measures_every_codec_and_its_peers(precision):
     for name, c in [*ddp.items(), *(("fsdp " + k, v) for k, v in fsdp.items())]:
         assert FIELDS <= set(c), name
         assert math.isfinite(c["final_loss"]) and math.isfinite(c["loss_delta_pct"]), name
+        assert math.isfinite(c["heldout_loss"]) and math.isfinite(c["heldout_loss_delta_pct"]), name
         assert c["state_bytes_per_worker"] > 0, name
     for table in (ddp, fsdp):
         # Compressed on the wire every step (DDP: after the process's first sync, in fp32 over DDP's initial
@@ -29,6 +31,7 @@ def test_quick_run_measures_every_codec_and_its_peers(precision):
         for name, limit in (("int8", 0.3), ("int4_sparse", 0.07)):
             assert (steps * table[name]["wire_ratio"] - first) / (steps - first) < limit, name
         assert table["none"]["wire_ratio"] == 1.0 and table["none"]["loss_delta_pct"] == 0.0
+        assert table["none"]["heldout_loss_delta_pct"] == 0.0
         # Error feedback keeps an fp32 residual per rank: counted in the state.
         assert table["int8"]["residual_bytes"] > 0
         assert table["int8"]["state_bytes_per_worker"] > table["none"]["state_bytes_per_worker"]
