@@ -77,6 +77,9 @@ class _Event:
     def synchronize(self) -> None:
         _Event.synchronized.append(self)
 
+    def query(self) -> bool:
+        return False  # the simulated device is still busy: nothing is folded before the figure is read
+
     def elapsed_time(self, end: _Event) -> float:
         assert self.at is not None and end.at is not None
         return end.at - self.at
