@@ -59,3 +59,29 @@ def test_the_interval_covers_the_true_ratio_about_95_percent_of_the_time():
         low, high = stats.ratio_interval([true * math.exp(rng.gauss(0, 0.05)) for _ in range(5)])
         covered += low <= true <= high
     assert 0.93 <= covered / trials <= 0.97
+
+
+def test_a_difference_gets_a_t_interval_on_the_raw_values():
+    deltas = [-1.0, 0.5, 2.0]  # codec minus none, held-out loss in %, per seed
+    low, high = stats.mean_interval(deltas)
+    sd = math.sqrt(sum((x - 0.5) ** 2 for x in deltas) / 2)
+    assert low == pytest.approx(0.5 - 4.303 * sd / math.sqrt(3)) and high == pytest.approx(0.5 + 4.303 * sd / math.sqrt(3))
+    r = stats.summarize("delta", deltas, difference=True)
+    assert r["delta"] == 0.5 and r["delta_interval"] == [low, high]
+
+
+def test_non_inferiority_reads_the_interval_against_the_margin():
+    assert stats.noninferiority((-1.0, 1.9), 2.0) == "no worse"
+    assert stats.noninferiority((2.1, 5.0), 2.0) == "worse"
+    assert stats.noninferiority((0.5, 3.0), 2.0) == "inconclusive"
+    assert stats.noninferiority(stats.mean_interval([1.0]), 2.0) == "inconclusive"
+
+
+def test_targets_say_which_side_is_good():
+    r = {**stats.summarize("p99_ms", [40.0, 42.0, 44.0], difference=True), **stats.exact("bytes_ratio", 1.0)}
+    targets = {"p99_ms": {"at_most": 50.0}, "bytes_ratio": {"at_least": 1.0}}
+    r.update(targets=targets, verdicts=stats.judge(r, targets))
+    assert r["verdicts"] == {"p99_ms": "met", "bytes_ratio": "met"}
+    assert stats.stated(targets["p99_ms"]) == "<= 50" and stats.stated(0.98) == ">= 0.98"
+    line = stats.verdict_line(r)
+    assert line.startswith("p99_ms 42.00 [37.") and line.endswith("bytes_ratio 1.00 [1.00, 1.00] (>= 1): met")
