@@ -20,22 +20,25 @@ QuickOpt = typer.Option(False, "--quick", help="A short run (seconds) for smoke 
 @user_errors
 def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="Job config to benchmark."),
               threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Threads for the peer and for 1 worker."),
+              pipelines: bool = typer.Option(False, "--pipelines", help="Measure the pipeline schedules on 2 workers "
+                                             "against ddp (3 interleaved rounds) instead of the 1-worker overhead."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Plain PyTorch loop vs. the same loop in Ray Train vs. cs3ray, 1 worker (3 interleaved rounds), and
-    2 workers per strategy: tokens/s, MFU, memory."""
+    2 workers per strategy: tokens/s, MFU, memory. --pipelines: gpipe, 1f1b and interleaved 1f1b vs. ddp."""
     from cs3ray.bench import train as train_bench
+    from cs3ray.bench.stats import verdict_line
 
     r = measured("train", train_bench.run, config, quick, threads,
-                 log=lambda line: err_console.print(line, highlight=False))
-    from cs3ray.bench.stats import shown
-
-    verdicts = ", ".join(f"{k} >= {r['targets'][k]:g}: {v}" for k, v in r["verdicts"].items())
-    emit(f"training throughput ({r['config']}, {r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}, "
-         f"peak {r['peak_flops'] / 1e12:.3f} TFLOP/s; "
-         f"medians of {r['rounds']} rounds [95% interval]: overhead ratio {shown(r, 'overhead_ratio', 3)}, vs Ray "
-         f"Train {shown(r, 'overhead_vs_ray_train', 3)} ({verdicts}); fsdp/ddp state {r['fsdp_state_ratio']:.2f}; "
-         f"pp2_1f1b/ddp tokens/s {r['pp2_1f1b_vs_ddp']:.2f})",
-         ["mode", "tokens/s", "MFU", "state MB/worker", "peak MB"], train_bench.rows(r), r, as_json)
+                 log=lambda line: err_console.print(line, highlight=False), pipelines=pipelines)
+    where = (f"{r['config']}, {r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}, "
+             f"peak {r['peak_flops'] / 1e12:.3f} TFLOP/s, {r['steps_per_run']} steps a run measured from the steady state")
+    if pipelines:
+        title = (f"pipeline schedules on 2 workers against ddp ({where}, {r['pp_microbatches']} micro-batches; "
+                 f"medians of {r['rounds']} rounds [95% interval]: {verdict_line(r)})")
+    else:
+        title = (f"training throughput ({where}; medians of {r['rounds']} rounds [95% interval]: {verdict_line(r, 3)}; "
+                 f"fsdp/ddp state {r['fsdp_state_ratio']:.2f})")
+    emit(title, train_bench.COLUMNS, train_bench.rows(r), r, as_json)
 
 
 @app.command("recovery", epilog=EXIT_CODES)

@@ -21,11 +21,9 @@ from cs3ray.core.precision import autocast, resolve_precision
 from cs3ray.models import Transformer
 
 
-def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, steps: int,
-               step_s: list[float] | None = None) -> float:
-    """Tokens/s of a hand-written single-process loop (the peer). No Ray, no wrappers.
-
-    step_s: gets every step's seconds, warm-up included (where a rate climbs or drifts, and when)."""
+def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, steps: int) -> list[float]:
+    """Every step's seconds of a hand-written single-process loop (the peer). No Ray, no wrappers: the
+    bench finds its steady state from them (cs3ray.bench.steady), by the rule every mode gets."""
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model.args())
@@ -35,11 +33,9 @@ def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, s
     device = torch.device("cpu")
     precision = resolve_precision(cfg.precision, device)
     b = t.batch_size
-    start = last = 0.0
-    for i in range(warmup + steps):
-        last = time.perf_counter()
-        if i == warmup:
-            start = last
+    step_s: list[float] = []
+    for i in range(steps):
+        t0 = time.perf_counter()
         x = torch.from_numpy(batches[(i * b) % (len(batches) - b):][:b])
         with autocast(precision, device):
             logits = model(x[:, :-1])
@@ -49,33 +45,25 @@ def plain_loop(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, s
         opt.step()
         opt.zero_grad(set_to_none=True)
         float(loss.detach())  # the same host sync a loop that logs its loss does
-        if step_s is not None:
-            step_s.append(time.perf_counter() - last)
-    return b * t.seq_len * steps / (time.perf_counter() - start)
+        step_s.append(time.perf_counter() - t0)
+    return step_s
 
 
-def _train_fn(config: dict[str, Any]) -> tuple[float, list[float]]:
-    """Ray Train's train function: the plain loop; its rate and step times are the run's return value."""
-    step_s: list[float] = []
-    rate = plain_loop(config["cfg"], config["batches"], config["threads"], config["warmup"], config["steps"], step_s)
-    return rate, step_s
+def _train_fn(config: dict[str, Any]) -> list[float]:
+    """Ray Train's train function: the plain loop; its step times are the run's return value."""
+    return plain_loop(config["cfg"], config["batches"], config["threads"], config["steps"])
 
 
-def ray_train_peer(cfg: JobConfig, batches: np.ndarray, threads: int, warmup: int, steps: int,
-                   storage: str, step_s: list[float] | None = None) -> float:
-    """Tokens/s of the plain loop in a 1-worker Ray Train TorchTrainer that reserves `threads` CPUs
-    (`step_s` gets its step times, as plain_loop's)."""
+def ray_train_peer(cfg: JobConfig, batches: np.ndarray, threads: int, steps: int, storage: str) -> list[float]:
+    """Every step's seconds of the plain loop in a 1-worker Ray Train TorchTrainer that reserves `threads` CPUs."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
         _train_fn,
-        train_loop_config={"cfg": cfg, "batches": batches, "threads": threads, "warmup": warmup, "steps": steps},
+        train_loop_config={"cfg": cfg, "batches": batches, "threads": threads, "steps": steps},
         scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": threads}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(name=f"plain-{time.time_ns()}", storage_path=storage),
     )
-    rate, times = trainer.fit().return_value
-    if step_s is not None:
-        step_s.extend(times)
-    return float(rate)
+    return [float(x) for x in trainer.fit().return_value]

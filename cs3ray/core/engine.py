@@ -209,9 +209,10 @@ class ComputeCore:
         self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         return total, ok
 
-    def bubble_fraction(self) -> float | None:
-        """Measured idle share of this pipeline stage since the last call (None without pipeline parallelism)."""
-        return self.pipeline.bubble_fraction() if self.pipeline is not None else None
+    def pipeline_window(self) -> dict[str, Any] | None:
+        """Pipeline runs: this stage's idle share and every stage's time shares since the last call (a
+        collective of the pipeline's ranks); None without pipeline parallelism."""
+        return self.pipeline.window() if self.pipeline is not None else None
 
     @torch.no_grad()
     def evaluate(self, batches: list[np.ndarray]) -> tuple[float, int]:

@@ -23,6 +23,8 @@ from .fake import host_float
 from .precision import autocast
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Seconds this process spent posting and waiting on pipeline sends and receives (_install_p2p_clock).
+_P2P_SECONDS = [0.0]
 # The canonical name of a tied weight held by the last stage, for optimizer state in checkpoints.
 TIED_ALIASES = {"output.weight": "tok_emb.weight"}
 
@@ -150,6 +152,26 @@ def _sync_every_backward(module: nn.Module) -> None:
         setattr(module, name, always)
 
 
+def _install_p2p_clock() -> None:
+    """Time the pipeline's sends and receives, the wait for the neighbouring stages included: torch's
+    schedules post and wait on them through their module's `_batch_p2p` and `_wait_batch_p2p`."""
+    from torch.distributed.pipelining import schedules
+
+    for name in ("_batch_p2p", "_wait_batch_p2p"):
+        fn = getattr(schedules, name)
+        if getattr(fn, "_cs3_timed", False):
+            continue
+
+        def timed(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _P2P_SECONDS[0] += time.perf_counter() - t0
+        timed._cs3_timed = True  # type: ignore[attr-defined]
+        setattr(schedules, name, timed)
+
+
 class Pipeline:
     """This rank's stage and schedule; `step` runs forward and backward over the micro-batches."""
 
@@ -190,9 +212,10 @@ class Pipeline:
             holder = "tok_emb" if self.first else "output" if self.last else None
             self.tied_params = [p for n, p in module.named_parameters()
                                 if holder and n.split(".")[-2] == holder and p.requires_grad]
-        self.compute_s = 0.0  # seconds this stage spent computing in the last steps (not waiting)
-        self.step_s = 0.0
+        # Seconds of this rank's steps since the last window: computing, in sends and receives, in all.
+        self.compute_s = self.p2p_s = self.step_s = 0.0
         self._time_compute()
+        _install_p2p_clock()
 
     def _time_compute(self) -> None:
         """Count the seconds spent in forward and backward chunks: the rest of a step is the bubble."""
@@ -220,7 +243,7 @@ class Pipeline:
         is multiplied by `factor` for backward. Returns the mean loss over the micro-batches, on every stage."""
         self._factor = factor / self.microbatches
         self._losses = []
-        t0 = time.perf_counter()
+        t0, p2p0 = time.perf_counter(), _P2P_SECONDS[0]
         if self.first:
             self.schedule.step(batch[:, :-1], target=batch[:, 1:] if self.last else None)
         elif self.last:
@@ -228,6 +251,7 @@ class Pipeline:
         else:
             self.schedule.step()
         self.step_s += time.perf_counter() - t0
+        self.p2p_s += _P2P_SECONDS[0] - p2p0
         # The first step also infers stage shapes with a forward of its own: its loss is not a micro-batch's.
         losses = self._losses[-self.microbatches:]
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
@@ -235,13 +259,23 @@ class Pipeline:
         dist.all_reduce(mean, group=self.group)  # only the last stage has the loss
         return host_float(mean)
 
-    def bubble_fraction(self) -> float | None:
-        """Share of this stage's step time it spent idle since the last call (waiting on other stages)."""
+    def window(self) -> dict[str, Any] | None:
+        """Where the pipeline's time went since the last call, on every rank of the pipeline (a collective
+        of its group): `bubble_fraction`, this rank's share of its step time outside its forward and
+        backward chunks, and `stage_time_shares`, per pipeline rank the shares computing, in sends and
+        receives (the wait for the neighbouring stages included) and in the rest (the schedule's own work,
+        the loss). None before the first step."""
         if self.step_s <= 0:
             return None
-        idle = max(0.0, 1.0 - self.compute_s / self.step_s)
-        self.compute_s = self.step_s = 0.0
-        return idle
+        shares = [self.compute_s / self.step_s, self.p2p_s / self.step_s]
+        shares.append(max(0.0, 1.0 - sum(shares)))
+        self.compute_s = self.p2p_s = self.step_s = 0.0
+        mine = torch.tensor(shares, dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.ranks)]
+        dist.all_gather(gathered, mine, group=self.group)
+        stages = [dict(zip(("compute", "p2p", "other"), (round(x, 4) for x in g.tolist()), strict=True))
+                  for g in gathered]
+        return {"bubble_fraction": max(0.0, 1.0 - shares[0]), "stage_time_shares": stages}
 
     def sync_tied(self) -> None:
         """Sum the tied embedding's gradient over its two copies (first and last stage)."""

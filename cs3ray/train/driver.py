@@ -176,8 +176,13 @@ def _pipeline_summary(cfg: JobConfig, steady: list[dict[str, Any]]) -> dict[str,
     if p.pp == 1:
         return {}
     bubbles = [e["bubble_fraction"] for e in steady if e.get("bubble_fraction") is not None]
+    windows = [e["stage_time_shares"] for e in steady if e.get("stage_time_shares")]
+    # Per pipeline rank, the mean over the steady windows of each share of its step time.
+    shares = [{k: round(sum(w[rank][k] for w in windows) / len(windows), 4) for k in windows[0][rank]}
+              for rank in range(len(windows[0]))] if windows else None
     return {"pp": p.pp, "pp_schedule": p.pp_schedule, "pp_microbatches": p.pp_microbatches,
-            "bubble_fraction": round(sum(bubbles) / len(bubbles), 4) if bubbles else None}
+            "bubble_fraction": round(sum(bubbles) / len(bubbles), 4) if bubbles else None,
+            "stage_time_shares": shares}
 
 
 def _compression_summary(cfg: JobConfig, comm: list[dict[str, Any] | None] | None) -> dict[str, Any]:

@@ -34,6 +34,9 @@ from .balance import Balancer
 from .elastic import plan_batch
 from .replicas import ReplicaSync, load_in_place
 
+# Step times a process keeps for its end event (`step_s`): enough to find a run's steady state.
+STEP_TIMES_KEPT = 1024
+
 
 @dataclass
 class Progress:
@@ -244,6 +247,7 @@ class Worker:
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
         first_step = p.step
+        step_s: list[float] = []  # this process's first STEP_TIMES_KEPT steps: where a run reaches its steady state
         tracked = False  # this log window holds the step measured for peak memory
         participants = self.world
         balancer = Balancer([self.plan.micro_batch] * self.topo.dp) if t.balance and self.topo.dp > 1 else None
@@ -277,6 +281,8 @@ class Worker:
             preempted = (self.sync is None and p.step % t.log_every == 0
                          and ray.train.get_preemption_info() is not None)
             step_time = time.perf_counter() - t0
+            if len(step_s) < STEP_TIMES_KEPT:
+                step_s.append(round(step_time, 6))
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
@@ -312,7 +318,7 @@ class Worker:
         comm = _all_gather(self.core.comm_stats())  # None on every rank unless gradients are compressed
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
                  "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}
-        self._event("end", memory=memory, comm=comm, **final)
+        self._event("end", memory=memory, comm=comm, step_s=step_s, **final)
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 
@@ -362,9 +368,10 @@ class Worker:
                 "stage_flops_per_token": _all_gather(self.stage_flops)}
 
     def _bubble(self) -> dict[str, Any]:
-        """Pipeline runs: the idle share of the first stage's time since the last report."""
-        bubble = self.core.bubble_fraction()
-        return {} if bubble is None else {"bubble_fraction": round(bubble, 4)}
+        """Pipeline runs: the idle share of the first stage's time since the last report, and where each
+        stage's time went (computing, sends and receives, the rest)."""
+        window = self.core.pipeline_window()
+        return {} if window is None else {**window, "bubble_fraction": round(window["bubble_fraction"], 4)}
 
     def _comm_window(self, steps: int) -> dict[str, Any]:
         """Compressed runs: gradient bytes this rank sent per step since the last report, and the wire ratio."""

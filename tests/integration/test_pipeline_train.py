@@ -33,6 +33,11 @@ def test_pipeline_run_trains_on_the_global_order_and_reports_its_stages(ray_head
     assert summary["steps"] == STEPS and summary["pp"] == 2 and summary["pp_schedule"] == "gpipe"
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     assert 0 <= summary["bubble_fraction"] < 1 and 0 < summary["mfu"] <= 1
+    # Where each stage's time went: computing, in sends and receives, the rest; shares of its step time.
+    shares = summary["stage_time_shares"]
+    assert len(shares) == 2 and all(set(s) == {"compute", "p2p", "other"} for s in shares)
+    assert all(0 < s["compute"] < 1 and 0 < s["p2p"] < 1 and sum(s.values()) == pytest.approx(1, abs=2e-3) for s in shares)
+    assert 1 - shares[0]["compute"] == pytest.approx(summary["bubble_fraction"], abs=0.05)  # the first stage's idle share
     # One data-parallel group of 2 stages: BATCH samples a step, exactly the start of the global order.
     assert summary["tokens_seen"] == STEPS * BATCH * SEQ
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

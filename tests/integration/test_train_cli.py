@@ -35,6 +35,9 @@ def test_train_learns_checkpoints_and_summarises(trained_run):
     assert {"start", "progress", "eval", "checkpoint", "end"} <= {e["event"] for e in events}
     # Each rank's scheduling priority is on record (Ray starts workers at nice 15; see README).
     assert len(next(e for e in events if e["event"] == "start")["nice"]) == 2
+    # Every step's seconds, for benches that find the steady state from them.
+    step_s = next(e for e in events if e["event"] == "end")["step_s"]
+    assert len(step_s) == TRAINED_STEPS and all(t > 0 for t in step_s)
 
 
 def test_generate_prints_text(trained_run):

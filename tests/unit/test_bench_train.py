@@ -1,11 +1,17 @@
-"""`cs3 bench train`: the warm-up and measured steps that fit its time budget."""
+"""`cs3 bench train`: the steps of every run that fit its time budget, and the pipeline's theoretical bubble."""
 
-from cs3ray.bench.train import steps_for_budget
+import pytest
+
+from cs3ray.bench.train import MAX_STEPS, MIN_STEPS, bubble_theoretical, steps_per_run
 
 
 def test_bench_steps_fit_the_budget():
-    assert steps_for_budget(1.5, 420, 5) == (3, 15)  # fast steps: the full run
-    warmup, steps = steps_for_budget(30, 420, 5)  # 30 s steps: the fewest that still measure
-    assert (warmup, steps) == (1, 2)
-    warmup, steps = steps_for_budget(6, 420, 5)
-    assert 5 * (warmup + steps) * 6 <= 420 + 5 * 6
+    assert steps_per_run(0.5, 250, 12) == MAX_STEPS  # fast steps: the most steps
+    assert steps_per_run(30, 250, 12) == MIN_STEPS  # slow steps: the fewest that can find a steady state
+    steps = steps_per_run(2.0, 250, 12)
+    assert MIN_STEPS <= steps and 12 * steps * 2.0 <= 250
+
+
+def test_the_theoretical_bubble_of_each_schedule():
+    assert bubble_theoretical(2, 8) == pytest.approx(1 / 9)
+    assert bubble_theoretical(2, 8, virtual=2) == pytest.approx(1 / 17)
