@@ -48,6 +48,7 @@ from cs3ray.core.compress import CompressionHook, compress_hook, make_codec
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 from cs3ray.core.optim import lr_factor
+from cs3ray.core.parallel import dgc_settings
 from cs3ray.core.precision import resolve_precision
 from cs3ray.data.shards import read_split
 from cs3ray.ops.ports import free_port
@@ -135,8 +136,10 @@ def _install_ddp_hook(core: ComputeCore, codec: str, cfg: Any) -> tuple[_Recorde
     if codec in OURS:
         c = cfg.compression
         # What parallel.apply_compression registers, but wrapped by the recorder.
-        state = CompressionHook(codec, c.density, c.error_feedback, c.warmup_steps, ddp_buckets=True)
+        state = CompressionHook(codec, c.density, c.error_feedback, c.warmup_steps, ddp_buckets=True,
+                                dgc=dgc_settings(c.model_copy(update={"codec": codec}), cfg.train.clip))
         state.names = {id(p): name for name, p in model.named_parameters()}
+        state.set_transactional(core.scaler.enabled)  # as the engine's own hook: fp16 steps may be skipped
         core.compression = state  # so memory() counts its residuals and comm_stats() its bytes
         rec = _Recorder(state, compress_hook)
         model.register_comm_hook(rec, _recording_hook)
