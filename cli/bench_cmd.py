@@ -132,15 +132,18 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
 
 @app.command("compress", epilog=EXIT_CODES)
 @user_errors
-def compress_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
-    """Gradient codecs vs torch's DDP hooks (bf16, per-tensor quantization, PowerSGD) and FSDP2's bf16
-    reduce: the same 2-rank run each, final loss, wire ratio, overlap, state per worker."""
+def compress_cmd(seeds: Optional[int] = typer.Option(None, "--seeds", min=2, max=30,
+                                                     help="Seeds per arm (default 3; --quick 2): the paired "
+                                                          "held-out loss deltas' interval needs at least 2."),
+                 quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
+    """Gradient codecs vs torch's DDP hooks (bf16, per-tensor quantization, PowerSGD at int4_sparse's bytes) and
+    FSDP2's bf16 reduce, from each seed: held-out loss delta against none with its interval and a non-inferiority
+    verdict (within 2%), wire ratio, overlap, state per worker."""
     from cs3ray.bench import compress as compress_bench
 
-    r = measured("compress", compress_bench.run, quick=quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"gradient compression ({r['config']}, {r['steps']} steps, {r['ranks']} ranks, {r['precision']}; "
-         f"loss: mean of the last {r['final_loss_of_last']} steps; overlap: DDP only)",
-         compress_bench.COLUMNS, compress_bench.rows(r), r, as_json)
+    r = measured("compress", compress_bench.run, quick=quick, seeds=seeds,
+                 log=lambda line: err_console.print(line, highlight=False))
+    emit(compress_bench.title(r), compress_bench.COLUMNS, compress_bench.rows(r), r, as_json)
 
 
 @app.command("comm", epilog=EXIT_CODES)

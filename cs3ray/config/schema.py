@@ -148,6 +148,34 @@ class ParallelConfig(Section):
                            "prints it). Off: each micro-batch's gradients are reduce-scattered and stay sharded.")
 
 
+class DgcConfig(Section):
+    """Deep Gradient Compression's remedies for int4_sparse's sparse updates (Lin et al., 2018)."""
+
+    enabled: bool | None = Field(
+        None, description="Apply them to int4_sparse: None (default) means yes unless compression.hierarchical "
+                          "(its node stage has no per-rank velocity); other codecs send every value and ignore this.")
+    momentum: float = Field(
+        0.0, ge=0, lt=1, description="Momentum correction: each rank folds its gradient into a local velocity "
+                                     "u = momentum * u + g and sends the top share of the accumulated velocity, not "
+                                     "of the gradient (velocities cost one fp32 copy of what the rank syncs). 0 (the "
+                                     "default) leaves it off: cs3ray trains with AdamW, whose beta1 already is the "
+                                     "momentum and applies on top of what arrives, so a velocity would be a second "
+                                     "momentum (bench compress, DDP, 180 steps: held-out loss +12.5% over none with "
+                                     "0.9 against +9.3% with 0). Set it for SGD-like optimizers.")
+    clip_norm: float | None = Field(
+        None, ge=0, description="Local gradient clipping: each rank scales a synced tensor's gradient (a DDP bucket, "
+                                "an FSDP2 module) to an L2 norm of at most clip_norm / sqrt(workers) before it enters "
+                                "the velocity; None uses train.clip, 0 turns it off.")
+    factor_masking: bool = Field(
+        True, description="Momentum factor masking: zero the velocity where a value was sent, so a delayed "
+                          "coordinate's old momentum does not push it a second time.")
+    warmup_steps: int = Field(
+        20, ge=0, description="Compressed steps over which the share sent falls exponentially from warmup_density "
+                              "to compression.density (after compression.warmup_steps of fp32).")
+    warmup_density: float = Field(
+        0.5, gt=0, le=1, description="Share of values int4_sparse sends at the first compressed step of the warm-up.")
+
+
 class CompressionConfig(Section):
     codec: Literal["none", "bf16", "int8", "int4_sparse"] = Field(
         "none", description="Gradient compression of data-parallel sync (DDP's all-reduce, FSDP2's reduce-scatter): "
@@ -169,6 +197,16 @@ class CompressionConfig(Section):
                            "stage over the network, compressed by `codec` (each local rank sends 1/L of the gradient). "
                            "ddp, zero1 and fsdp with parallel.tp=1; needs the same number of workers on every node; "
                            "CPU workers (the node stage sums in host shared memory).")
+    dgc: DgcConfig = Field(default_factory=DgcConfig,
+                           description="int4_sparse: DGC's momentum correction, local clipping, momentum factor "
+                                       "masking and a warm-up of falling density.")
+
+    @model_validator(mode="after")
+    def _dgc_flat_only(self) -> "CompressionConfig":
+        if self.dgc.enabled and self.hierarchical and self.codec == "int4_sparse":
+            raise ValueError("compression.dgc.enabled=true cannot be used with compression.hierarchical=true "
+                             "(its node stage keeps no per-rank velocity); leave dgc.enabled unset or false")
+        return self
 
 
 class CheckpointConfig(Section):

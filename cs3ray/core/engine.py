@@ -81,13 +81,13 @@ class ComputeCore:
             for chunk in chunks:
                 parallel.apply_fsdp(chunk, mesh["dp"], self.precision)
             self.compression = parallel.apply_fsdp_compression(model, cfg.compression, mesh["dp"].get_group(),
-                                                               topology)
+                                                               topology, clip=cfg.train.clip)
             self.autocast = False  # FSDP's MixedPrecisionPolicy casts the gathered parameters
         elif distributed and topology.dp > 1:
             group = mesh["dp"].get_group() if p.tp > 1 or p.pp > 1 else None
             chunks = [parallel.apply_ddp(chunk, device, group=group) for chunk in chunks]
             model = chunks[0] if len(chunks) == 1 else model
-            self.compression = parallel.apply_compression(model, cfg.compression, group, topology)
+            self.compression = parallel.apply_compression(model, cfg.compression, group, topology, clip=cfg.train.clip)
         self.model = model  # train.init_from weights are loaded into it by the worker (cs3ray.train.loop)
         # DDP's gradients are views of its buckets: zeroed in place, they stay so. Set to None, the first
         # micro-batch of an accumulation (no_sync) would allocate a second copy beside the buckets.
@@ -112,7 +112,7 @@ class ComputeCore:
         self.scaler = LossScaler(self.precision == "fp16")
         if self.compression is not None:
             # fp16 steps can be skipped on overflow: their residual updates must be undoable.
-            self.compression.reduce.feedback.transactional = self.scaler.enabled
+            self.compression.set_transactional(self.scaler.enabled)
         self.grad_accum = t.grad_accum  # the worker adapts it to keep the global batch on resizes
         # Fault-tolerant replicas (cs3ray.train.replicas) average gradients across replica groups
         # themselves and decide whether the step may be applied; None for ordinary runs.

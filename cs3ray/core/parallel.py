@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compress import CompressionHook, install_fsdp_compression, install_plain_reduce_scatter, register_compression
+from .compress.dgc import DgcSettings
 from .mesh import Topology
 from .precision import DTYPES
 
@@ -125,19 +126,30 @@ def apply_ddp(model: nn.Module, device: torch.device, group: Any = None,
                gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
+def dgc_settings(compression: Any, clip: float) -> DgcSettings | None:
+    """int4_sparse's DGC settings from `compression.dgc` (None when off); `clip` is train.clip, the local
+    clipping bound unless dgc.clip_norm sets its own."""
+    dgc = compression.dgc
+    if compression.codec != "int4_sparse" or dgc.enabled is False or (dgc.enabled is None and compression.hierarchical):
+        return None
+    return DgcSettings(momentum=dgc.momentum, clip_norm=clip if dgc.clip_norm is None else dgc.clip_norm,
+                       factor_masking=dgc.factor_masking, warmup_steps=dgc.warmup_steps,
+                       warmup_density=dgc.warmup_density)
+
+
 def apply_compression(model: nn.Module, compression: Any, group: Any = None,
-                      topology: Topology | None = None) -> CompressionHook | None:
+                      topology: Topology | None = None, clip: float = 0.0) -> CompressionHook | None:
     """Sync a DDP model's gradient buckets with the compressed all-reduce when `compression.codec` asks,
     or through shared memory inside each node first when `compression.hierarchical` does (needs `topology`)."""
     hierarchical = topology if compression.hierarchical else None
     if (compression.codec == "none" and hierarchical is None) or not isinstance(model, DDP):
         return None
     return register_compression(model, compression.codec, compression.density, compression.error_feedback,
-                                compression.warmup_steps, group, hierarchical)
+                                compression.warmup_steps, group, hierarchical, dgc_settings(compression, clip))
 
 
 def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any,
-                           topology: Topology | None = None) -> CompressionHook | None:
+                           topology: Topology | None = None, clip: float = 0.0) -> CompressionHook | None:
     """Compress FSDP2's gradient reduce-scatter of every sharded module when `compression.codec` asks,
     through shared memory inside each node first when `compression.hierarchical` does (needs `topology`).
     Uncompressed on gloo, it goes through cs3ray's point-to-point exchange (see compress.fsdp)."""
@@ -146,5 +158,5 @@ def apply_fsdp_compression(model: nn.Module, compression: Any, group: Any,
         install_plain_reduce_scatter(model, group)
         return None
     state = CompressionHook(compression.codec, compression.density, compression.error_feedback,
-                            compression.warmup_steps, group, hierarchical)
+                            compression.warmup_steps, group, hierarchical, dgc=dgc_settings(compression, clip))
     return install_fsdp_compression(model, state)

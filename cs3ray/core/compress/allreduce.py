@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..fake import is_fake
 from .codec import BLOCK, Codec
+from .dgc import MomentumCorrection
 from .feedback import ErrorFeedback
 
 
@@ -96,6 +97,7 @@ class CompressedAllReduce:
     def __init__(self, codec: Codec, group: Any = None, error_feedback: bool = True) -> None:
         self.codec, self.group = codec, group
         self.feedback = ErrorFeedback(error_feedback)
+        self.momentum: MomentumCorrection | None = None  # DGC: velocities masked where this rank's values were sent
         self.stats = CommStats()
         self._thread: ThreadPoolExecutor | None = None
         # Run `start` on the caller's thread: a rehearsal's fake tensors and observers are per thread.
@@ -149,12 +151,16 @@ class CompressedAllReduce:
             sends = []
             for r in [*range(me + 1, world), *range(me)]:
                 for i, (vals, span) in enumerate(pieces):
-                    self.feedback.encode((key, "send", r), self.codec, chunks[r, vals], out=send[r, span],
-                                         offset=vals.start, length=c)
+                    _, sent = self.feedback.encode((key, "send", r), self.codec, chunks[r, vals], out=send[r, span],
+                                                   offset=vals.start, length=c)
+                    if self.momentum is not None:
+                        self.momentum.mask(key, r * c + vals.start, sent)
                     sends.append(post_send(send[r, span], r, self.group, tag=1 + 2 * i))
             # This rank's own chunk never leaves it: it enters the sum exact, with nothing to encode and
             # no residual to keep, while the peers' chunks are on the wire.
             total.copy_(chunks[me])
+            if self.momentum is not None:
+                self.momentum.mask_all(key, me * c, c)
             for r, (vals, span), req in recvs:  # each piece is added as soon as it has arrived
                 req.wait()
                 self.codec.decode(parts[r][span], vals.stop - vals.start, out=total[vals], add=True)

@@ -82,6 +82,7 @@ class CompressedReduceScatter:
             state.reduce.stats.add(round(fp32 * input_tensor.element_size() / 4), fp32)
             self.plain(output_tensor, input_tensor, group, op)
         else:
+            state.prepare(self.key, input_tensor, dist.get_world_size(group))
             state.reduce.reduce_scatter(self.key, input_tensor, output_tensor, average=_average(op))
 
 

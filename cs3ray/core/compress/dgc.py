@@ -1,0 +1,159 @@
+"""Deep Gradient Compression's remedies for sparse updates (Lin et al., 2018), for int4_sparse.
+
+A rank's gradient for a synced tensor (a DDP bucket, an FSDP2 module's flat gradient) is first
+clipped by its own norm against `clip_norm` / sqrt(N) (local gradient clipping: the N ranks'
+sum then stays within clip_norm), then folded into a local velocity u = m u + g (momentum
+correction), and u, not g, enters the compressed exchange, whose error feedback is DGC's
+accumulator v += u with the top-k of v sent. Where a value of v was sent, u is zeroed (momentum
+factor masking: a delayed coordinate's old momentum does not push it again). The accumulator
+keeps the 4-bit quantization error of a sent value, not zero: error feedback delays it instead
+of dropping it. A rank's own chunk of the two-phase exchange is always sent in full, so its
+velocity is zeroed every step. Warm-up: the first `warmup_steps` compressed steps send a share
+that falls exponentially from `warmup_density` to `density`.
+
+Velocities follow the error-feedback residuals' rules: kept per key in loss-scale units, written
+beside the committed ones under fp16 (a skipped step leaves them as they were), pruned when a
+compressed step did not use them, and saved with the residuals in the rank's own file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DgcSettings:
+    """What int4_sparse applies of DGC (see `compression.dgc`)."""
+
+    momentum: float = 0.0  # AdamW's beta1 is the momentum (see compression.dgc.momentum)
+    clip_norm: float = 0.0  # 0: no local clipping
+    factor_masking: bool = True
+    warmup_steps: int = 0
+    warmup_density: float = 1.0
+
+
+def warmup_density(step: int, settings: DgcSettings, density: float) -> float:
+    """The share int4_sparse sends at compressed step `step` (0 = the first): exponential from
+    `warmup_density` to `density` over `warmup_steps` steps, then `density`."""
+    if step >= settings.warmup_steps or settings.warmup_density <= density:
+        return density
+    return settings.warmup_density * (density / settings.warmup_density) ** (step / settings.warmup_steps)
+
+
+def clip_local(flat: torch.Tensor, clip_norm: float, world: int, scale: float = 1.0) -> float:
+    """Scale `flat` in place so its L2 norm is at most clip_norm / sqrt(world) (in units of the loss
+    `scale` it carries); returns the factor applied (1.0 when within the bound, or not finite)."""
+    if clip_norm <= 0:
+        return 1.0
+    bound = scale * clip_norm / math.sqrt(world)
+    norm = float(torch.linalg.vector_norm(flat.detach().float()))
+    if not math.isfinite(norm) or norm <= bound:  # an overflowed fp16 step is skipped by the scaler anyway
+        return 1.0
+    factor = bound / norm
+    flat.mul_(factor)
+    return factor
+
+
+class MomentumCorrection:
+    """Local velocities keyed like the error-feedback residuals: u = m u + g, masked where sent.
+
+    Transactional (fp16): a step's velocities are written beside the committed ones and become them
+    only at `commit`; `rollback` leaves the committed ones as they were.
+    """
+
+    def __init__(self, momentum: float, masking: bool = True, transactional: bool = False) -> None:
+        self.momentum, self.masking, self.transactional = momentum, masking, transactional
+        self.scale = 1.0
+        self.velocities: dict[Hashable, torch.Tensor] = {}
+        self.pending: dict[Hashable, torch.Tensor] = {}
+        self.used: set[Hashable] = set()
+
+    def set_scale(self, scale: float) -> None:
+        """The loss scale of the next gradients: velocities are brought to its units (powers of two: exact)."""
+        if scale != self.scale:
+            for u in self.velocities.values():
+                u.mul_(scale / self.scale)
+            self.scale = scale
+
+    def _current(self, key: Hashable) -> torch.Tensor | None:
+        """This step's velocity of `key` once `accumulate` has run (pending under fp16)."""
+        return (self.pending if self.transactional else self.velocities).get(key) if key in self.used else None
+
+    def accumulate(self, key: Hashable, flat: torch.Tensor) -> None:
+        """flat <- u = m u + flat, in place, and u is kept as `key`'s velocity for this step.
+
+        A key synced again in the same step (FSDP2's micro-batches) adds its gradient to this step's
+        velocity and sends that gradient alone: the step's inputs then add up to m u + g1 + g2.
+        """
+        x = flat.detach().reshape(-1)
+        current = self._current(key)
+        if current is not None and current.numel() == x.numel():
+            current.add_(x)
+            return
+        old = self.velocities.get(key)
+        if old is not None and old.numel() != x.numel():  # a checkpoint's from another layout starts afresh
+            old = None
+        if self.transactional:
+            new = self.pending.get(key)
+            if new is None or new.numel() != x.numel():
+                new = self.pending[key] = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        else:
+            new = old if old is not None else torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+            self.velocities[key] = new
+        if old is None:
+            new.copy_(x)
+        elif new is old:
+            new.mul_(self.momentum).add_(x)
+        else:
+            torch.add(x, old, alpha=self.momentum, out=new)
+        self.used.add(key)
+        x.copy_(new)
+
+    def mask(self, key: Hashable, offset: int, sent: torch.Tensor) -> None:
+        """Momentum factor masking: zero the velocity where `sent` (values from `offset`) is not zero."""
+        u = self._current(key)
+        if u is None or not self.masking:
+            return
+        piece = u[offset:offset + sent.numel()]  # a padded last chunk reaches past the tensor
+        piece.masked_fill_(sent.reshape(-1)[:piece.numel()] != 0, 0.0)
+
+    def mask_all(self, key: Hashable, offset: int, length: int) -> None:
+        """A span sent in full (a rank's own chunk): its velocity is zeroed."""
+        u = self._current(key)
+        if u is not None and self.masking:
+            u[offset:offset + length].zero_()
+
+    def commit(self) -> None:
+        """The step is applied: its velocities become the velocities; those it did not use are dropped."""
+        if not self.used:
+            return  # an uncompressed step keeps what it has
+        if self.transactional:
+            for key in self.used:
+                old = self.velocities.get(key)
+                self.velocities[key] = self.pending.pop(key)
+                if old is not None and old.numel() == self.velocities[key].numel():
+                    self.pending[key] = old  # the next step writes into it
+        for key in [k for k in self.velocities if k not in self.used]:
+            del self.velocities[key]
+        for key in [k for k in self.pending if k not in self.velocities]:
+            del self.pending[key]
+        self.used.clear()
+
+    def rollback(self) -> None:
+        """The step is skipped: the committed velocities stay (transactional; otherwise already updated)."""
+        self.used.clear()
+
+    def nbytes(self) -> int:
+        """Bytes the velocities hold (with their transactional spares)."""
+        return sum(u.numel() * u.element_size() for d in (self.velocities, self.pending) for u in d.values())
+
+    def reset(self) -> None:
+        """Forget every velocity."""
+        self.velocities.clear()
+        self.pending.clear()
+        self.used.clear()
+        self.scale = 1.0
