@@ -183,7 +183,7 @@ def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="
     from cs3ray.bench import ckpt as ckpt_bench
 
     r = measured("ckpt", ckpt_bench.run, config, quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"checkpoints ({r['config']})", ["measure", "unit", "value"], ckpt_bench.rows(r),
+    emit(ckpt_bench.title(r), ["measure", "unit", "value"], ckpt_bench.rows(r),
          {k: r[k] for k in ckpt_bench.JSON_KEYS}, as_json)
 
 
