@@ -45,8 +45,8 @@ def test_bench_peak_ratio_over_alternating_rounds():
     assert r["fp32_flops"] == max(r["fp32_flops_rounds"]) and r["bf16_flops"] == max(r["bf16_flops_rounds"])
 
 
-def test_bench_cache_rounds_and_verdicts(tmp_path):
-    r = _last_json(run_cs3(["bench", "cache", "--quick", "--json"], cwd=tmp_path, timeout=300))
+def test_bench_cache_rounds_and_verdicts():
+    r = _last_json(run_cs3(["bench", "cache", "--quick", "--json"], timeout=300))
     assert set(r) == set(cache.JSON_KEYS) and r["rounds"] == 2
     for name in cache.TARGETS:
         assert_interval(r, name, 2)
