@@ -60,10 +60,13 @@ def peak_cmd(threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Torch
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Measure the matmul peak (fp32 and bf16) that MFU is computed against."""
     from cs3ray.bench import peak
+    from cs3ray.bench.stats import shown
 
     r = measured("peak", peak.run, threads, quick)
-    emit("matmul peak", ["dtype", "TFLOP/s"],
-         [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12)], r, as_json)
+    emit(f"matmul peak (best of {r['rounds']} alternating rounds; bf16/fp32 median [95% interval]: "
+         f"{shown(r, 'bf16_over_fp32')}; no target)", ["dtype", "TFLOP/s"],
+         [("fp32", r["fp32_flops"] / 1e12), ("bf16", r["bf16_flops"] / 1e12),
+          ("bf16 / fp32", shown(r, "bf16_over_fp32"))], r, as_json)
 
 
 @app.command("disk", epilog=EXIT_CODES)
@@ -75,7 +78,8 @@ def disk_cmd(path: Optional[str] = typer.Option(None, "--path", help="Folder on 
     from cs3ray.bench import disk
 
     r = measured("disk", disk.run, path, mb, quick=quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"disk write beside compute ({r['write_mb']} MB in {r['files']} files, {r['threads']} threads)",
+    emit(f"disk write beside compute ({r['write_mb']} MB in {r['files']} files, {r['threads']} threads; medians of "
+         f"{r['repeats']} rounds [95% interval]; no target)",
          ["measure", "unit", "value"], disk.rows(r), {k: r[k] for k in disk.JSON_KEYS}, as_json)
 
 
@@ -85,13 +89,13 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
               latency_ms: float = typer.Option(20.0, min=0, help="Latency the proxy adds to every S3 request."),
               prefetch: int = typer.Option(4, min=0, help="Shards cs3's cache fetches ahead."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
-    """3 shuffled epochs from a loopback S3 store: direct vs fsspec filecache vs cs3's tiered cache."""
+    """4 shuffled epochs from a loopback S3 store: direct vs fsspec filecache vs cs3's tiered cache, epochs 2-4
+    as 3 interleaved rounds."""
     from cs3ray.bench import cache as cache_bench
 
     r = measured("cache", cache_bench.run, size_mb, latency_ms, prefetch=prefetch, quick=quick,
                  log=lambda m: err_console.print(f"[dim]{m}[/]"))
-    emit(f"shard reads, MB/s per epoch ({r['dataset_mb']} MB, {r['shards']} shards, {r['latency_ms']} ms/request)",
-         ["mode", "epoch 1", "epoch 2", "epoch 3", "hit rate ep 2-3"], cache_bench.rows(r),
+    emit(cache_bench.title(r), cache_bench.columns(r), cache_bench.rows(r),
          {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)
 
 
@@ -185,7 +189,7 @@ def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="
     from cs3ray.bench import ckpt as ckpt_bench
 
     r = measured("ckpt", ckpt_bench.run, config, quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"checkpoints ({r['config']})", ["measure", "unit", "value"], ckpt_bench.rows(r),
+    emit(ckpt_bench.title(r), ["measure", "unit", "value"], ckpt_bench.rows(r),
          {k: r[k] for k in ckpt_bench.JSON_KEYS}, as_json)
 
 

@@ -29,8 +29,12 @@ from cs3ray import direct_io
 from cs3ray.errors import UserError
 from cs3ray.storage import open_url
 
-JSON_KEYS = ["write_mb", "files", "threads", "write_s", "writer_cpu_s", "compute_lost_s", "compute_lost_s_per_gb",
-             "lost_over_writer_cpu", "gemm_per_s"]
+from . import stats
+
+JSON_KEYS = ["write_mb", "files", "threads", "repeats", "write_s", "writer_cpu_s", "compute_lost_s",
+             "compute_lost_s_interval", "compute_lost_s_rounds", "compute_lost_s_per_gb", "lost_over_writer_cpu",
+             "lost_over_writer_cpu_interval", "lost_over_writer_cpu_rounds", "gemm_per_s", "targets", "verdicts",
+             "method"]
 _GEMM = 1024  # ~2 GFLOP per product: short enough to count finely, big enough to use every thread
 
 
@@ -59,10 +63,11 @@ def _write(folder: str, data: Any, files: int, out: dict[str, float]) -> None:
 
 def run(path: str | None = None, mb: int = 512, files: int = 256, repeats: int = 3, threads: int | None = None,
         quick: bool = False, log: Callable[[str], None] | None = None) -> dict:
-    """Median over `repeats` of the compute lost while `mb` MB are written under `path`."""
+    """Median over `repeats` rounds of the compute lost while `mb` MB are written under `path`, with 95%
+    intervals (t on the raw values: the loss may be near zero or below it on a quiet host)."""
     say = log or (lambda m: None)
     if quick:
-        mb, files, repeats = min(mb, 64), min(files, 32), 1
+        mb, files, repeats = min(mb, 64), min(files, 32), 2  # a round of 64 MB is about a second
     if path is not None and not os.path.isdir(path):
         raise UserError(f"--path '{path}' is not an existing folder.")
     threads = threads or torch.get_num_threads()
@@ -104,14 +109,19 @@ def run(path: str | None = None, mb: int = 512, files: int = 256, repeats: int =
 
     def med(key: str) -> float:
         return float(statistics.median(x[key] for x in runs))
-    lost, cpu = med("lost_s"), med("cpu_s")
+    # Each round's write is paired with the loop alone just before and after it: its figures are per round.
+    figures = {**stats.summarize("compute_lost_s", [x["lost_s"] for x in runs], difference=True),
+               **stats.summarize("lost_over_writer_cpu", [x["lost_s"] / max(x["cpu_s"], 1e-3) for x in runs],
+                                 difference=True)}
     return {"write_mb": mb, "files": files, "threads": threads, "repeats": repeats, "path": path or tempfile.gettempdir(),
-            "write_s": med("write_s"), "writer_cpu_s": cpu, "compute_lost_s": lost,
-            "compute_lost_s_per_gb": lost / (mb / 1024), "lost_over_writer_cpu": lost / max(cpu, 1e-3),
-            "gemm_per_s": med("rate")}
+            "write_s": med("write_s"), "writer_cpu_s": med("cpu_s"), **figures,
+            "compute_lost_s_per_gb": figures["compute_lost_s"] / (mb / 1024), "gemm_per_s": med("rate"),
+            "targets": {}, "verdicts": {}, "method": stats.METHOD}
 
 
 def rows(r: dict) -> list[tuple]:
+    """Table rows: medians of the rounds, the paired figures as `median [95% interval]`."""
     return [("write (wall)", "s", r["write_s"]), ("writer thread CPU", "s", r["writer_cpu_s"]),
-            ("compute lost beside it", "s", r["compute_lost_s"]), ("compute lost per GB", "s", r["compute_lost_s_per_gb"]),
-            ("lost / writer CPU", "x", r["lost_over_writer_cpu"]), ("peer GEMM rate", "1/s", r["gemm_per_s"])]
+            ("compute lost beside it", "s", stats.shown(r, "compute_lost_s", 3)),
+            ("compute lost per GB", "s", r["compute_lost_s_per_gb"]),
+            ("lost / writer CPU", "x", stats.shown(r, "lost_over_writer_cpu")), ("peer GEMM rate", "1/s", r["gemm_per_s"])]

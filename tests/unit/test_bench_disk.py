@@ -13,5 +13,9 @@ def test_quick_run_writes_through_the_checkpoint_path_and_reports_the_cost(tmp_p
     assert r["write_mb"] == 64 and r["files"] == 32 and r["threads"] == 1
     assert r["write_s"] > 0 and r["writer_cpu_s"] > 0 and r["gemm_per_s"] > 0
     assert r["compute_lost_s_per_gb"] == r["compute_lost_s"] * 16
-    assert len(synced) == 1 and synced[0].startswith(str(tmp_path))  # one sync for all the chunk files
+    assert r["repeats"] == 2 and len(r["compute_lost_s_rounds"]) == len(r["lost_over_writer_cpu_rounds"]) == 2
+    low, high = r["compute_lost_s_interval"]
+    assert low <= r["compute_lost_s"] <= high  # the median of 2 rounds is their mean, inside its t interval
+    # One sync a round for all of its chunk files.
+    assert len(synced) == r["repeats"] and all(p.startswith(str(tmp_path)) for p in synced)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
