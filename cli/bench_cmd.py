@@ -167,7 +167,8 @@ def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help
     r = measured("comm", comm_bench.run, quick=quick, link_gbps=link_gbps,
                  log=lambda line: err_console.print(line, highlight=False))
     link = f"link {r['link_gbps']:g} Gb/s" if r["link_gbps"] else "link skipped"
-    emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link})",
+    emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link}; medians of {r['reps']} paired rounds "
+         f"[95% interval]: {comm_bench.verdict_line(r)})",
          ["measure", "loopback", "emulated link"], comm_bench.rows(r), r, as_json)
 
 
