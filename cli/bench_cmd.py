@@ -103,8 +103,11 @@ def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared 
 
     r = measured("data", data_bench.run, mb, latency_ms, quick=quick,
                  log=lambda line: err_console.print(line, highlight=False))
+    from cs3ray.bench.stats import verdict_line
+
     emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; "
-         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; medians of the rounds)",
+         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; ratios: medians of the rounds' ratios "
+         f"[95% interval], rounds {r['prepare_rounds']}/{r['read_rounds']}/{r['train_rounds']}: {verdict_line(r, 3)})",
          ["measure: Ray Data | other", "Ray Data", "other", "ratio", "target"], data_bench.rows(r), r, as_json)
 
 
