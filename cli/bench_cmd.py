@@ -126,7 +126,10 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
             for mode, cells in res["modes"].items() for c, cell in cells.items()]
-    emit("serve: tokens/s and latency (ms)", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
+    from cs3ray.bench.stats import verdict_line
+
+    emit(f"serve: tokens/s and latency (ms); at 16 (tiny), medians of {r['rounds_at_16']} interleaved rounds "
+         f"[95% interval]: {verdict_line(r)}", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
                                               "itl p99", "errors"], rows, r, as_json)
 
 
