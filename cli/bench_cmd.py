@@ -110,8 +110,11 @@ def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared 
 
     r = measured("data", data_bench.run, mb, latency_ms, quick=quick,
                  log=lambda line: err_console.print(line, highlight=False))
+    from cs3ray.bench.stats import verdict_line
+
     emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; "
-         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; medians of the rounds)",
+         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; ratios: medians of the rounds' ratios "
+         f"[95% interval], rounds {r['prepare_rounds']}/{r['read_rounds']}/{r['train_rounds']}: {verdict_line(r, 3)})",
          ["measure: Ray Data | other", "Ray Data", "other", "ratio", "target"], data_bench.rows(r), r, as_json)
 
 
@@ -130,7 +133,10 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
             for mode, cells in res["modes"].items() for c, cell in cells.items()]
-    emit("serve: tokens/s and latency (ms)", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
+    from cs3ray.bench.stats import verdict_line
+
+    emit(f"serve: tokens/s and latency (ms); at 16 (tiny), medians of {r['rounds_at_16']} interleaved rounds "
+         f"[95% interval]: {verdict_line(r)}", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",
                                               "itl p99", "errors"], rows, r, as_json)
 
 
@@ -177,7 +183,8 @@ def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help
     r = measured("comm", comm_bench.run, quick=quick, link_gbps=link_gbps,
                  log=lambda line: err_console.print(line, highlight=False))
     link = f"link {r['link_gbps']:g} Gb/s" if r["link_gbps"] else "link skipped"
-    emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link})",
+    emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link}; medians of {r['reps']} paired rounds "
+         f"[95% interval]: {comm_bench.verdict_line(r)})",
          ["measure", "loopback", "emulated link"], comm_bench.rows(r), r, as_json)
 
 

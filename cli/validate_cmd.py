@@ -38,7 +38,8 @@ def validate_cmd(address: Optional[str] = AddressOpt,
 
     r = measured("validate", validate.run, address, quick, storage, min_mfu,
                  log=lambda line: err_console.print(line, highlight=False))
-    emit(f"cs3 validate ({r['level']})", validate.COLUMNS, validate.rows(r), r, as_json)
+    emit(f"cs3 validate ({r['level']}; figures measured repeatedly: median of the rounds [95% interval], "
+         "PASS needs the verdict met)", validate.COLUMNS, validate.rows(r), r, as_json)
     if out is not None:
         out.write_text(validate.markdown(r))
         err_console.print(f"report: {out}", highlight=False)

@@ -8,12 +8,15 @@ and error feedback included. All-reduce figures are bus bandwidth as nccl-tests 
 algbw (bytes / time) x 2 (n-1) / n. Everything runs twice: between two processes on loopback,
 and between two processes in two network namespaces joined by a veth pair shaped to
 `--link-gbps` with tc (cs3ray.bench.netns; root and iproute2, else that part is skipped).
+The calls compared run in paired rounds (cs3ray.bench.comm_rank.paired), so every ratio is the
+median of the rounds' ratios with a 95% interval (cs3ray.bench.stats) and each target a verdict.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,7 @@ from typing import Any, Callable
 
 from cs3ray.ops.ports import free_port
 
-from . import netns
+from . import netns, stats
 
 WORLD = 2
 MIB = 1 << 20
@@ -104,36 +107,83 @@ def _run_ranks(plan: dict[str, Any], link: netns.Link | None, world: int = WORLD
             return json.load(f)
 
 
+def _per_round(row: dict[str, list[float]], num: str, den: str) -> list[float]:
+    """Per round, busbw (or bandwidth) ratio `num` / `den` of one size: den's seconds over num's (the bytes are
+    the same; an all-reduce's busbw factor is 2 (n-1) / n, a point-to-point's 1)."""
+    factor = {"p2p_bidir_s": 1.0}
+    return [factor.get(num, 2 * (WORLD - 1) / WORLD) / factor.get(den, 2 * (WORLD - 1) / WORLD) * d / n
+            for n, d in zip(row[num], row[den], strict=True)]
+
+
+def _worst(by_size: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """The size whose median `name` is lowest: its figure, interval and rounds, and which size it was."""
+    mib = min(by_size, key=lambda m: by_size[m][name])
+    d = by_size[mib]
+    return {name: d[name], f"{name}_interval": d[f"{name}_interval"], f"{name}_rounds": d[f"{name}_rounds"],
+            f"{name}_size_mib": int(mib)}
+
+
 def summarize_path(raw: dict[str, Any]) -> dict[str, Any]:
-    """Bandwidths per size; at top level those of the largest size and the worst busbw_cs3 / p2p_bidir."""
-    by_size: dict[str, dict[str, float]] = {}
+    """Bandwidths per size (of the rounds' median seconds) and each size's busbw_cs3 / p2p_bidir per round; at
+    top level the largest size's bandwidths and the worst size's utilization with its interval."""
+    by_size: dict[str, dict[str, Any]] = {}
     for mib, row in raw["sizes"].items():
         nbytes = int(mib) * MIB
-        d = {"p2p_bidir_gbps": gbps(nbytes, row["p2p_bidir_s"]),
-             "busbw_gloo_gbps": busbw_gbps(nbytes, row["gloo_s"], WORLD),
-             "busbw_cs3_gbps": busbw_gbps(nbytes, row["cs3_s"], WORLD)}
+        d: dict[str, Any] = {"p2p_bidir_gbps": gbps(nbytes, statistics.median(row["p2p_bidir_s"])),
+                             "busbw_gloo_gbps": busbw_gbps(nbytes, statistics.median(row["gloo_s"]), WORLD),
+                             "busbw_cs3_gbps": busbw_gbps(nbytes, statistics.median(row["cs3_s"]), WORLD)}
+        d |= stats.summarize("bw_utilization", _per_round(row, "cs3_s", "p2p_bidir_s"))
         if "shm_s" in row:
-            d["busbw_shm_gbps"] = busbw_gbps(nbytes, row["shm_s"], WORLD)
+            d["busbw_shm_gbps"] = busbw_gbps(nbytes, statistics.median(row["shm_s"]), WORLD)
+            d |= stats.summarize("shm_speedup", _per_round(row, "shm_s", "gloo_s"))
         by_size[mib] = d
     largest = by_size[max(by_size, key=int)]
     out: dict[str, Any] = {k: largest[k] for k in ("p2p_bidir_gbps", "busbw_gloo_gbps", "busbw_cs3_gbps")}
-    out["bw_utilization"] = min(d["busbw_cs3_gbps"] / d["p2p_bidir_gbps"] for d in by_size.values())
+    out |= _worst(by_size, "bw_utilization")
     if "busbw_shm_gbps" in largest:
         out["busbw_shm_gbps"] = largest["busbw_shm_gbps"]
+        out |= _worst(by_size, "shm_speedup")
     out["by_size"] = by_size
     return out
 
 
-def _speedup(raw: dict[str, Any], codec_mib: int, name: str) -> float:
-    """fp32 (gloo) all-reduce time / the codec's compressed all-reduce time, at codec_mib."""
-    return raw["sizes"][str(codec_mib)]["gloo_s"] / raw["codecs"][name]["s"]
+def codec_speedups(raw: dict[str, Any], path: str) -> dict[str, Any]:
+    """Per codec, `<codec>_<path>_speedup`: gloo's fp32 all-reduce time / the codec's, per round (the two timed
+    back to back in each round), summarized."""
+    codecs = raw["codecs"]
+    return {k: v for name in CODECS for k, v in stats.summarize(
+        f"{name}_{path}_speedup", [g / c for g, c in zip(codecs["gloo_s"], codecs[name]["s"], strict=True)]).items()}
+
+
+# Targets: the link's (over --link-gbps) and loopback's, where a codec must at least not cost time.
+LINK_TARGETS: dict[str, dict[str, float]] = {"bw_utilization": {"at_least": 0.9},
+                                             "int8_link_speedup": {"at_least": 2.5},
+                                             "int4_sparse_link_speedup": {"at_least": 6.0}}
+LOOPBACK_TARGETS: dict[str, dict[str, float]] = {"shm_speedup": {"at_least": 1.5},
+                                                 **{f"{c}_loopback_speedup": {"at_least": 1.0} for c in CODECS}}
+
+
+def judged(result: dict[str, Any]) -> dict[str, Any]:
+    """`targets`, `verdicts` and, where the link part was skipped, `verdict_reasons` (its targets are then
+    inconclusive: nothing measured them)."""
+    targets = {**LINK_TARGETS, **LOOPBACK_TARGETS}
+    verdicts = stats.judge(result, LOOPBACK_TARGETS)
+    reasons: dict[str, str] = {}
+    if result["link_skipped"]:
+        for name in LINK_TARGETS:
+            verdicts[name], reasons[name] = stats.INCONCLUSIVE, result["link_skipped"]
+    else:
+        verdicts |= stats.judge(result, LINK_TARGETS)
+    return {"targets": targets, "verdicts": {k: verdicts[k] for k in targets}, "verdict_reasons": reasons,
+            "method": stats.METHOD}
 
 
 def run(quick: bool = False, link_gbps: float = 1.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure on loopback, then over the emulated link (skipped with a reason where it cannot be made)."""
     started = time.perf_counter()
     plan = _plan(quick, shm=True)
-    log(f"loopback: 2 ranks, sizes {plan['sizes_mib']} MiB, codecs at {plan['codec_mib']} MiB")
+    log(f"loopback: 2 ranks, sizes {plan['sizes_mib']} MiB, codecs at {plan['codec_mib']} MiB, {plan['reps']} "
+        "paired rounds")
     loop_raw = _run_ranks(plan, None)
     if loop_raw.get("first_error"):
         return {"loopback": loop_raw}
@@ -152,25 +202,36 @@ def run(quick: bool = False, link_gbps: float = 1.0, log: Callable[[str], None] 
         log(skipped)
     loopback = summarize_path(loop_raw)
     linked = summarize_path(link_raw) if link_raw else None
-    top = ("p2p_bidir_gbps", "busbw_gloo_gbps", "busbw_cs3_gbps", "bw_utilization")
-    shm_speedup = min(d["busbw_shm_gbps"] / d["busbw_gloo_gbps"] for d in loopback["by_size"].values())
+    loop_codecs = codec_speedups(loop_raw, "loopback")
+    link_codecs = codec_speedups(link_raw, "link") if link_raw else {}
     codecs = {name: {"wire_ratio": loop_raw["codecs"][name]["wire_ratio"],
                      "quant_ms_per_mib": loop_raw["codecs"][name]["quant_ms_per_mib"],
-                     "loopback_speedup": _speedup(loop_raw, plan["codec_mib"], name),
-                     "link_speedup": _speedup(link_raw, plan["codec_mib"], name) if link_raw else None}
+                     "loopback_speedup": loop_codecs[f"{name}_loopback_speedup"],
+                     "link_speedup": link_codecs.get(f"{name}_link_speedup")}
               for name in CODECS}
-    return {
-        **{k: linked[k] if linked else None for k in top},
+    link_keys = ("p2p_bidir_gbps", "busbw_gloo_gbps", "busbw_cs3_gbps", "bw_utilization", "bw_utilization_interval",
+                 "bw_utilization_rounds", "bw_utilization_size_mib",
+                 *(f"{c}_link_speedup{s}" for c in CODECS for s in ("", "_interval", "_rounds")))
+    link_figures = {**(linked or {}), **link_codecs}
+    result = {
+        **{k: link_figures.get(k) for k in link_keys},
         "link_gbps": link_gbps if linked else None, "link_skipped": skipped,
         "link_by_size": linked["by_size"] if linked else None,
-        "loopback": loopback, "shm_speedup": shm_speedup, "codecs": codecs,
+        "loopback": loopback, **{k: loopback[k] for k in loopback if k.startswith("shm_speedup")}, **loop_codecs,
+        "codecs": codecs,
         "ranks": WORLD, "sizes_mib": plan["sizes_mib"], "codec_mib": plan["codec_mib"], "reps": plan["reps"],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    return result | judged(result)
+
+
+def _shown(r: dict[str, Any] | None, name: str) -> str:
+    """`0.936 [0.90, 0.95]`, or `-` where the figure was not measured (the link part skipped)."""
+    return "-" if r is None or r.get(name) is None else stats.shown(r, name, 3)
 
 
 def rows(r: dict[str, Any]) -> list[tuple]:
-    """Table rows: measure, loopback, emulated link."""
+    """Table rows: measure, loopback, emulated link; ratios as median [95% interval] of the paired rounds."""
     def fmt(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
     lo = r["loopback"]
@@ -178,9 +239,17 @@ def rows(r: dict[str, Any]) -> list[tuple]:
         ("p2p bidirectional, one direction", "p2p_bidir_gbps"), ("busbw gloo fp32", "busbw_gloo_gbps"),
         ("busbw cs3ray fp32", "busbw_cs3_gbps"))]
     out.append(("busbw shared memory (Gb/s)", fmt(lo.get("busbw_shm_gbps")), "-"))
-    out.append(("bw utilization (worst size)", fmt(lo["bw_utilization"]), fmt(r["bw_utilization"])))
-    out.append(("shm speedup over gloo (worst size)", fmt(r["shm_speedup"]), "-"))
+    out.append(("bw utilization (worst size)", _shown(lo, "bw_utilization"), _shown(r, "bw_utilization")))
+    out.append(("shm speedup over gloo (worst size)", _shown(r, "shm_speedup"), "-"))
     for name, c in r["codecs"].items():
         out.append((f"{name} speedup at {r['codec_mib']} MiB (wire {c['wire_ratio']:.4f}, "
-                    f"{c['quant_ms_per_mib']:.2f} ms/MiB)", fmt(c["loopback_speedup"]), fmt(c["link_speedup"])))
+                    f"{c['quant_ms_per_mib']:.2f} ms/MiB)", _shown(r, f"{name}_loopback_speedup"),
+                    _shown(r, f"{name}_link_speedup")))
     return out
+
+
+def verdict_line(r: dict[str, Any]) -> str:
+    """Every target's figure, interval and verdict; a target of a skipped link part says so instead."""
+    return "; ".join(f"{k} ({stats.stated(r['targets'][k])}): {v}, link skipped" if k in r["verdict_reasons"]
+                     else f"{k} {stats.shown(r, k)} ({stats.stated(r['targets'][k])}): {v}"
+                     for k, v in r["verdicts"].items())

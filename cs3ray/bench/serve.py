@@ -6,8 +6,10 @@ it unless asked for --haproxy); they differ only in scheduling:
   unbatched    cs3ray's engine with max_batch=1 (one sequence at a time, the rest queue)
   serve_batch  Ray Serve's @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01): closed batches
   continuous   cs3ray's engine: sequences join and leave the batch at every decode step
-Each offered concurrency replays one seeded open-loop workload against each mode in turn,
-continuous batching before and after its peers (see REPLAY_ORDER).
+Each offered concurrency replays one seeded open-loop workload against each mode in turn. The
+concurrency the targets read (16, tiny model) does so in interleaved rounds, each round every
+mode back to back in the opposite order to the round before, so each target is the median of
+the rounds' own figures with a 95% interval (cs3ray.bench.stats) and a verdict.
 Then, where HAProxy is installed, what the opt-in HAProxy ingress would change: continuous batching
 replays the concurrency-16 workload twice on a second cluster with HAProxy in place of Serve's proxy
 (`ingress`: both cells and HAProxy's tokens/s over the proxy's).
@@ -41,15 +43,19 @@ from cs3ray.ops.ports import free_port
 from cs3ray.ops.watchdog import watched_cluster
 from cs3ray.serve.tuning import replica_actor_options
 
+from . import stats
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
 
 MODES = ("unbatched", "serve_batch", "continuous")
-# Each concurrency replays its workload in this order, and a mode's cell pools its replays:
-# measured before and after its slower peers, continuous batching sees the same stretch of a
-# drifting host's time as they do (figures: docs/benchmarks.md).
-REPLAY_ORDER = ("continuous", "unbatched", "serve_batch", "continuous")
+# A round replays the workload against every mode in this order, the next round in the opposite
+# one, and a mode's cell pools its rounds' replays: with rounds measured before and after its
+# peers, continuous batching sees the same stretch of a drifting host's time as they do.
+ROUND_ORDER = ("continuous", "unbatched", "serve_batch")
 CONCURRENCIES = (1, 4, 16, 64)
+TARGET_CONCURRENCY = 16
 CELL_KEYS = ("tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "errors")
+TARGETS = {"speedup_vs_unbatched_at_16": {"at_least": 5.0}, "speedup_vs_serve_batch_at_16": {"at_least": 1.5},
+           "p99_itl_ms_at_16": {"at_most": 50.0}}
 
 
 # Optimizer steps before serving (batch 8 x 64 bytes): after this many, almost every sampled token
@@ -92,15 +98,28 @@ def _checkpoint(preset: str, root: Path) -> str:
 
 
 def _plan(preset: str, quick: bool) -> tuple[tuple[int, ...], dict[int, int], tuple[int, int]]:
-    """Concurrencies, requests per concurrency and output-length range for one model."""
+    """Concurrencies, requests per replay at each concurrency and output-length range for one model."""
     if quick:
         return CONCURRENCIES, {c: max(4, min(c, 16)) for c in CONCURRENCIES}, (8, 32)
     if preset == "tiny":
-        # 128 requests at 16, the cell the targets read: a shorter replay let one slow stretch of
-        # a shared host move its throughput between runs.
-        return CONCURRENCIES, {1: 8, 4: 24, 16: 128, 64: 128}, (16, 192)
+        # At 16, the cell the targets read, 3 rounds of 64 requests: one slow stretch of a shared host
+        # moves one round's figures, and the interval over the rounds shows it (figures: docs/benchmarks.md).
+        # 64 requests once at 64: no target reads that cell.
+        return CONCURRENCIES, {1: 8, 4: 24, 16: 64, 64: 64}, (16, 192)
     # The small model decodes far slower; fewer, shorter requests bound the run's length (figures: docs/benchmarks.md).
     return CONCURRENCIES, {1: 2, 4: 4, 16: 10, 64: 12}, (16, 96)
+
+
+def _rounds(preset: str, c: int, quick: bool) -> int:
+    """Interleaved rounds at concurrency c: those of the targets' cell (tiny at 16), one replay per mode elsewhere."""
+    if preset != "tiny" or c != TARGET_CONCURRENCY:
+        return 1
+    return 2 if quick else 3
+
+
+def _round_order(i: int) -> tuple[str, ...]:
+    """Round i's order of the modes: ROUND_ORDER, reversed every other round."""
+    return ROUND_ORDER if i % 2 == 0 else ROUND_ORDER[::-1]
 
 
 def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int | None,
@@ -128,17 +147,36 @@ def _deploy_modes(run: str, preset: str, port: int, dtype: str, max_batch: int |
     return urls
 
 
-def _summary(modes: dict[str, dict[str, dict]]) -> dict:
-    at16 = {m: modes[m].get("16", {}) for m in MODES}
+def _per_round_ratio(ours: dict, theirs: dict) -> list[float]:
+    """Per round, tokens/s of `ours` over `theirs` (a cell's replays are its rounds'); rounds either side of
+    which delivered nothing are left out (their errors fail the benchmark anyway)."""
+    if not ours or not theirs:
+        return []
+    return [round(a / b, 4) for a, b in zip(ours["replay_tokens_per_s"], theirs["replay_tokens_per_s"], strict=True)
+            if a and b]
 
-    def ratio(a: dict, b: dict) -> float | None:
-        if not a or not b or not b.get("tokens_per_s"):
-            return None
-        return round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+
+def _figure(name: str, rounds: list[float | None], difference: bool = False) -> dict:
+    """`name` as the median of its rounds with a 95% interval; None (and a NaN interval) where none measured it."""
+    kept = [x for x in rounds if x is not None and math.isfinite(x)]
+    if not kept:
+        return {name: None, f"{name}_interval": [math.nan, math.nan], f"{name}_rounds": []}
+    return stats.summarize(name, kept, difference=difference)
+
+
+def _summary(modes: dict[str, dict[str, dict]]) -> dict:
+    """The targets' figures from the concurrency-16 cells, each over the interleaved rounds: continuous
+    batching's tokens/s over each peer's in the same round, and continuous batching's p99 gap per round."""
+    at16 = {m: modes[m].get(str(TARGET_CONCURRENCY), {}) for m in MODES}
     return {"modes": modes,
-            "speedup_vs_unbatched_at_16": ratio(at16["continuous"], at16["unbatched"]),
-            "speedup_vs_serve_batch_at_16": ratio(at16["continuous"], at16["serve_batch"]),
-            "p99_itl_ms_at_16": at16["continuous"].get("p99_itl_ms")}
+            **_figure("speedup_vs_unbatched_at_16", _per_round_ratio(at16["continuous"], at16["unbatched"])),
+            **_figure("speedup_vs_serve_batch_at_16", _per_round_ratio(at16["continuous"], at16["serve_batch"])),
+            **_figure("p99_itl_ms_at_16", at16["continuous"].get("replay_p99_itl_ms", []), difference=True)}
+
+
+def judged(result: dict) -> dict:
+    """The targets (tiny model at 16), their verdicts from the rounds' intervals, and the method."""
+    return {"targets": TARGETS, "verdicts": stats.judge(result, TARGETS), "method": stats.METHOD}
 
 
 INGRESS_CONCURRENCY = 16
@@ -187,6 +225,7 @@ def _clean(cell: dict) -> dict:
     out = {k: (None if isinstance(cell[k], float) and math.isnan(cell[k]) else
                round(cell[k], 2) if isinstance(cell[k], float) else cell[k]) for k in CELL_KEYS}
     out["replay_tokens_per_s"] = [round(x, 2) for x in cell["replay_tokens_per_s"]]
+    out["replay_p99_itl_ms"] = [None if math.isnan(x) else round(x, 2) for x in cell["replay_p99_itl_ms"]]
     out["first_error"] = cell["first_error"]  # a cell with failed requests fails the benchmark (report.measured)
     return out
 
@@ -212,8 +251,9 @@ def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_b
         for c in concurrencies:
             items = workload(counts[c], rate=c / latency, seed=c, output_tokens=out_range)
             replays: dict[str, list[Replay]] = {m: [] for m in MODES}
-            for mode in REPLAY_ORDER:
-                replays[mode].append(replay(urls[mode], f"bench-{preset}-{mode}", items))
+            for i in range(_rounds(preset, c, quick)):
+                for mode in _round_order(i):
+                    replays[mode].append(replay(urls[mode], f"bench-{preset}-{mode}", items))
             for mode in MODES:
                 cell = summarize(replays[mode])
                 if cell["first_error"]:
@@ -223,11 +263,11 @@ def bench_model(run: str, preset: str, port: int, quick: bool, dtype: str, max_b
                     f"ttft p50 {cell['p50_ttft_ms']:7.1f} ms  p99 {cell['p99_ttft_ms']:7.1f} ms  "
                     f"itl p99 {cell['p99_itl_ms']:6.1f} ms  errors {cell['errors']}"
                     + ("" if len(replays[mode]) == 1 else
-                       "  (replays: " + ", ".join(f"{x:.0f}" for x in cell["replay_tokens_per_s"]) + " tok/s)"))
+                       "  (rounds: " + ", ".join(f"{x:.0f}" for x in cell["replay_tokens_per_s"]) + " tok/s)"))
     finally:
         for mode in MODES:
             serve.delete(f"bench-{preset}-{mode}")
-    return _summary(modes) | {"unloaded_latency_s": round(latency, 4)}
+    return _summary(modes) | {"unloaded_latency_s": round(latency, 4), "rounds_at_16": _rounds(preset, TARGET_CONCURRENCY, quick)}
 
 
 @contextlib.contextmanager
@@ -271,6 +311,7 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
             log(f"ingress: {ingress}")
             try:
                 result = bench_model(tiny, "tiny", port, quick, dtype, max_batch, log)
+                result |= judged(result)
                 if small:
                     result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
                                                              dtype, max_batch, log)}

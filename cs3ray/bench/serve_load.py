@@ -120,20 +120,25 @@ async def _run(url: str, model: str, items: list[Item], timeout: float) -> Repla
     return Replay(results, max(end - start, 1e-9))
 
 
+def _gaps_ms(results: list[Result]) -> list[float]:
+    return [g * 1e3 for r in results if r.ok for g in r.gaps]
+
+
 def summarize(replays: list[Replay]) -> dict:
     """Throughput and latency percentiles over one or more replays (pooled: tokens over total time,
-    percentiles over every request's samples), with each replay's own tokens/s."""
+    percentiles over every request's samples), with each replay's own tokens/s and p99 gap."""
     results = [r for rep in replays for r in rep.results]
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
-    gaps = [g * 1e3 for r in ok for g in r.gaps]
+    gaps = _gaps_ms(results)
     errors = [r.error for r in results if not r.ok]
     return {"tokens_per_s": sum(r.tokens for r in ok) / sum(rep.seconds for rep in replays),
             "p50_ttft_ms": _pct(ttfts, 50), "p99_ttft_ms": _pct(ttfts, 99), "p99_itl_ms": _pct(gaps, 99),
             "p50_itl_ms": _pct(gaps, 50), "p90_itl_ms": _pct(gaps, 90), "max_itl_ms": max(gaps, default=float("nan")),
             "errors": len(errors), "requests": len(results), "first_error": errors[0] if errors else None,
             "tokens_per_chunk": sum(r.tokens for r in ok) / max(1, sum(len(r.gaps) + 1 for r in ok)),
-            "replay_tokens_per_s": [sum(r.tokens for r in rep.results if r.ok) / rep.seconds for rep in replays]}
+            "replay_tokens_per_s": [sum(r.tokens for r in rep.results if r.ok) / rep.seconds for rep in replays],
+            "replay_p99_itl_ms": [_pct(_gaps_ms(rep.results), 99) for rep in replays]}
 
 
 def replay(url: str, model: str, items: list[Item], timeout: float = 300.0) -> Replay:

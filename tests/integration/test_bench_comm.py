@@ -1,6 +1,7 @@
 """`cs3 bench comm --quick --json` as a user runs it: every figure measured and sane, no namespace left behind."""
 
 import json
+import math
 import os
 
 import pytest
@@ -35,3 +36,12 @@ def test_quick_run_measures_loopback_the_emulated_link_and_every_codec():
         assert 0 < c["wire_ratio"] < 1 and c["quant_ms_per_mib"] > 0 and c["loopback_speedup"] > 0, name
         assert (c["link_speedup"] is None) == (r["link_skipped"] is not None), name
     assert r["codecs"]["int8"]["wire_ratio"] <= 0.26 and r["codecs"]["int4_sparse"]["wire_ratio"] <= 0.0625
+    # Every ratio of the paired rounds with its interval, every target judged (a skipped link's: inconclusive).
+    assert set(r["verdicts"]) == set(r["targets"]) == {*comm.LINK_TARGETS, *comm.LOOPBACK_TARGETS}
+    assert all(v in ("met", "not met", "inconclusive") for v in r["verdicts"].values())
+    for name in r["targets"]:
+        if name in r["verdict_reasons"]:
+            assert r[name] is None and r["verdicts"][name] == "inconclusive", name
+            continue
+        low, high = r[f"{name}_interval"]
+        assert len(r[f"{name}_rounds"]) == comm.QUICK_REPS and (math.isnan(low) or low <= r[name] <= high), name

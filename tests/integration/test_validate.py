@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from cs3ray.bench import validate
+
 from conftest import run_cs3
 
 ITEMS = ["versions", "clock", "collective_busbw", "training_mfu", "recovery", "serve_p99_itl", "storage_read",
@@ -32,6 +34,14 @@ def test_quick_validation_measures_every_item(ray_head, tmp_path):
         assert f"items failed: {', '.join(failed)}" in proc.stderr
     assert result["checks"]["versions"]["passed"] and result["checks"]["metrics_endpoint"]["passed"]
     assert result["checks"]["recovery"]["figure"] < 300
+    # Every numeric target: its figure with an interval, a verdict, and PASS only where it is met.
+    assert set(result["verdicts"]) == set(result["targets"]) == set(validate.TARGETS)
+    assert all(v in ("met", "not met", "inconclusive") for v in result["verdicts"].values())
+    for check in result["checks"].values():
+        if check["key"]:
+            low, high = result[f"{check['key']}_interval"]
+            assert len(check["interval"]) == 2 and low <= check["figure"] <= high, check
+            assert check["passed"] == (check["verdict"] == "met") == (result["verdicts"][check["key"]] == "met")
     rows = [line for line in report.read_text().splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + len(ITEMS)
     assert not list((tmp_path / "store").iterdir())  # the read probe cleans up after itself

@@ -15,14 +15,34 @@ def test_busbw_is_algbw_times_2_n_minus_1_over_n():
     assert comm.busbw_gbps(1e9, 2.0, 4) == pytest.approx(6.0)
 
 
-def test_summary_reports_the_largest_size_and_the_worst_utilization():
+def test_summary_reports_the_largest_size_and_the_worst_utilization_with_its_interval():
     mib = comm.MIB * 8 / 1e9  # Gb in one MiB
-    raw = {"sizes": {"4": {"p2p_bidir_s": 4 * mib, "gloo_s": 8 * mib, "cs3_s": 8 * mib, "shm_s": 2 * mib},
-                     "16": {"p2p_bidir_s": 16 * mib, "gloo_s": 16 * mib, "cs3_s": 32 * mib, "shm_s": 8 * mib}}}
+    # Seconds per paired round: at 16 MiB cs3ray's all-reduce takes about twice the point-to-point time.
+    raw = {"sizes": {"4": {"p2p_bidir_s": [4 * mib] * 3, "gloo_s": [8 * mib] * 3, "cs3_s": [6 * mib] * 3,
+                           "shm_s": [2 * mib] * 3},
+                     "16": {"p2p_bidir_s": [16 * mib] * 3, "gloo_s": [16 * mib] * 3,
+                            "cs3_s": [30 * mib, 32 * mib, 34 * mib], "shm_s": [8 * mib] * 3}}}
     s = comm.summarize_path(raw)
     assert (s["p2p_bidir_gbps"], s["busbw_gloo_gbps"], s["busbw_cs3_gbps"]) == pytest.approx((1.0, 1.0, 0.5))
-    assert s["bw_utilization"] == pytest.approx(0.5)  # 16 MiB: 0.5 / 1.0; 4 MiB: 0.5 / 1.0
+    assert s["bw_utilization"] == pytest.approx(0.5) and s["bw_utilization_size_mib"] == 16
+    low, high = s["bw_utilization_interval"]
+    assert low < 0.5 < high and s["bw_utilization_rounds"] == pytest.approx([16 / 30, 0.5, 16 / 34])
+    assert s["by_size"]["4"]["bw_utilization_interval"] == pytest.approx([4 / 6, 4 / 6])
     assert s["busbw_shm_gbps"] == pytest.approx(2.0) and set(s["by_size"]) == {"4", "16"}
+    assert s["shm_speedup"] == pytest.approx(2.0) and s["shm_speedup_size_mib"] in (4, 16)
+
+
+def test_codec_speedups_are_per_round_and_skipped_link_targets_are_inconclusive():
+    raw = {"codecs": {"gloo_s": [1.0, 1.2, 1.1], **{c: {"s": [0.5, 0.6, 0.5]} for c in comm.CODECS}}}
+    loop = comm.codec_speedups(raw, "loopback")
+    assert loop["int8_loopback_speedup_rounds"] == pytest.approx([2.0, 2.0, 2.2])
+    result = {**loop, "link_skipped": "needs root", "shm_speedup": 1.0, "shm_speedup_interval": [0.9, 1.1]}
+    r = result | comm.judged(result)
+    assert set(r["verdicts"]) == set(r["targets"]) == {*comm.LINK_TARGETS, *comm.LOOPBACK_TARGETS}
+    assert r["verdicts"]["int8_loopback_speedup"] == "met" and r["verdicts"]["shm_speedup"] == "not met"
+    assert all(r["verdicts"][k] == "inconclusive" and r["verdict_reasons"][k] == "needs root"
+               for k in comm.LINK_TARGETS)
+    assert "bw_utilization (>= 0.9): inconclusive, link skipped" in comm.verdict_line(r)
 
 
 def test_token_bucket_holds_4_ms_of_the_rate():
