@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from cs3ray.bench.report import EXIT_CODES, emit, measured
+from cs3ray.bench.stats import verdict_line
 
 from .common import JsonOpt, err_console, user_errors
 
@@ -26,7 +27,6 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
     """Plain PyTorch loop vs. the same loop in Ray Train vs. cs3ray, 1 worker (3 interleaved rounds), and
     2 workers per strategy: tokens/s, MFU, memory. --pipelines: gpipe, 1f1b and interleaved 1f1b vs. ddp."""
     from cs3ray.bench import train as train_bench
-    from cs3ray.bench.stats import verdict_line
 
     r = measured("train", train_bench.run, config, quick, threads,
                  log=lambda line: err_console.print(line, highlight=False), pipelines=pipelines)
@@ -48,9 +48,9 @@ def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     from cs3ray.bench import recovery
 
     r = measured("recovery", recovery.run, quick, log=lambda line: err_console.print(line, highlight=False))
-    emit(f"recovery from a worker SIGKILL, cs3ray's modes vs plain Ray Train, snapshot every {r['interval_steps']} "
-         "steps: seconds to the next step and to full size (x Ray Train's), steps lost, samples repeated and "
-         "skipped (data trace)",
+    emit(f"recovery from a worker SIGKILL ({r['rounds']} kills a run), cs3ray's modes vs plain Ray Train, snapshot "
+         f"every {r['interval_steps']} steps: median seconds to the next step and to full size (x Ray Train's "
+         f"[95% interval]), steps redone, samples repeated and skipped (data trace). {verdict_line(r)}",
          recovery.COLUMNS, recovery.rows(r), r, as_json)
 
 
@@ -110,7 +110,6 @@ def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared 
 
     r = measured("data", data_bench.run, mb, latency_ms, quick=quick,
                  log=lambda line: err_console.print(line, highlight=False))
-    from cs3ray.bench.stats import verdict_line
 
     emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; "
          f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; ratios: medians of the rounds' ratios "
@@ -133,7 +132,6 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
             for mode, cells in res["modes"].items() for c, cell in cells.items()]
-    from cs3ray.bench.stats import verdict_line
 
     emit(f"serve: tokens/s and latency (ms); at 16 (tiny), medians of {r['rounds_at_16']} interleaved rounds "
          f"[95% interval]: {verdict_line(r)}", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",

@@ -48,6 +48,8 @@ def train_fn(config: dict[str, Any]) -> None:
             f.write(json.dumps({"event": "start", "step": start, "pids": pids, "wall": time.time()}) + "\n")
     rng = np.random.default_rng(rank + 1000 * start)
     for step in range(start + 1, config["steps"] + 1):
+        if step > stop_after(config.get("stop_file")):
+            break
         x = torch.from_numpy(rng.integers(0, 256, (config["batch"], config["seq"] + 1)))
         with autocast(resolve_precision("auto", "cpu"), torch.device("cpu")):
             logits = model(x[:, :-1])
@@ -68,17 +70,34 @@ def train_fn(config: dict[str, Any]) -> None:
                                     "wall": time.time()}) + "\n")
 
 
-def make_trainer(log: str, storage: str, steps: int, every: int, batch: int, seq: int, preset: str = "tiny"):
-    """The TorchTrainer of the peer run (2 workers, up to 2 restarts)."""
+def last_step(stop_file: str, step: int) -> None:
+    """Tell a running peer to stop after `step` (written whole: a rank never reads half of it)."""
+    with open(stop_file + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(stop_file + ".tmp", stop_file)
+
+
+def stop_after(stop_file: str | None) -> float:
+    """The last step the run may train: the stop file's, or no bound while there is none."""
+    if not stop_file or not os.path.exists(stop_file):
+        return float("inf")
+    with open(stop_file) as f:
+        return int(f.read())
+
+
+def make_trainer(log: str, storage: str, steps: int, every: int, batch: int, seq: int, preset: str = "tiny",
+                 max_failures: int = 2, stop_file: str | None = None):
+    """The TorchTrainer of the peer run (2 workers, up to `max_failures` restarts; `stop_file`: see `last_step`)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
         train_fn,
-        train_loop_config={"log": log, "steps": steps, "every": every, "batch": batch, "seq": seq, "preset": preset},
+        train_loop_config={"log": log, "steps": steps, "every": every, "batch": batch, "seq": seq, "preset": preset,
+                           "stop_file": stop_file},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(name=f"peer-{int(time.time())}", storage_path=storage,
-                             failure_config=FailureConfig(max_failures=2),
+                             failure_config=FailureConfig(max_failures=max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )

@@ -265,18 +265,18 @@ def rows(r: dict[str, Any]) -> list[tuple]:
     """Table rows: mode, tokens/s, MFU, state MB per worker, peak MB (and a pipeline's bubble and time shares)."""
     out = []
     if not r["pipelines"]:
-        out += [("plain PyTorch (peer)", r["baseline_tokens_per_s"], r["baseline_mfu"], "", "", ""),
-                ("plain loop in Ray Train, 1 worker (peer)", r["ray_train_tokens_per_s"],
+        out += [("plain PyTorch (peer)", round(r["baseline_tokens_per_s"]), r["baseline_mfu"], "", "", ""),
+                ("plain loop in Ray Train, 1 worker (peer)", round(r["ray_train_tokens_per_s"]),
                  mfu(r["ray_train_tokens_per_s"], r["flops_per_token"], 1, r["peak_flops"]), "", "", ""),
                 (f"cs3ray 1 worker (x plain {stats.shown(r, 'overhead_ratio', 3)}, x Ray Train "
-                 f"{stats.shown(r, 'overhead_vs_ray_train', 3)})", r["cs3_tokens_per_s"], r["mfu"], "", "", "")]
+                 f"{stats.shown(r, 'overhead_vs_ray_train', 3)})", round(r["cs3_tokens_per_s"]), r["mfu"], "", "", "")]
     for name, s in r["strategies"].items():
         where = ""
         if "bubble_fraction" in s:  # a pipeline: its measured idle share beside the schedule's, its ratio to ddp
             name = (f"{name} (x ddp {stats.shown(r, f'{name}_vs_ddp')}; bubble {s['bubble_fraction']:.3f}, "
                     f"theory {s['bubble_theoretical']:.3f})")
             where = " | ".join(f"{x['compute']:.2f}/{x['p2p']:.2f}/{x['other']:.2f}" for x in s["stage_time_shares"] or [])
-        out.append((f"cs3ray 2 workers {name}", s["tokens_per_s"], s["mfu"],
+        out.append((f"cs3ray 2 workers {name}", round(s["tokens_per_s"]), s["mfu"],
                     f"{(s['state_bytes_per_worker'] or 0) / 1e6:.1f}", f"{(s['peak_mem_bytes'] or 0) / 1e6:.1f}", where))
     return out
 

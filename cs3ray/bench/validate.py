@@ -219,7 +219,7 @@ def _collective(nodes: list[str], level: dict[str, Any]) -> tuple[list[float], s
 def _train_and_recover(root: str, level: dict[str, Any], min_mfu: float) -> tuple[Check, Check, str]:
     from cs3ray.train.driver import train
 
-    from .recovery import in_thread, joined, kill_and_measure
+    from .recovery import in_thread, joined, kill_once
 
     run_dir = os.path.join(root, "validate-run")
     # The tiny preset on the standard library's source: needs no file of the user's, runs from any folder.
@@ -231,7 +231,7 @@ def _train_and_recover(root: str, level: dict[str, Any], min_mfu: float) -> tupl
     seen: list[dict] = []
     runner, out = in_thread(lambda: train(cfg, on_event=seen.append, quiet=True))
     try:
-        m = kill_and_measure(lambda: list(seen), level["kill_after"], 300)
+        m = kill_once(lambda: list(seen), level["kill_after"], 300)
     except TimeoutError:
         if "error" in out:
             raise out["error"] from None
