@@ -63,11 +63,39 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
                                                   "(cluster.workers, or --workers) instead of the shape options."),
              tokens: Optional[float] = typer.Option(None, "--tokens", min=1, help="Tokens to train on (for days_to_train)."),
              mfu: float = typer.Option(0.4, "--mfu", min=0.001, max=1.0, help="Model FLOPs utilisation to assume."),
+             serve: bool = typer.Option(False, "--serve", help="Plan serving instead: weights and KV cache per GPU "
+                                        "for each tensor x pipeline layout, which fit, and the decode rate memory "
+                                        "bandwidth allows within --itl-ms."),
+             gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="--serve: GPUs a node (tp stays within one)."),
+             nodes: int = typer.Option(4, "--nodes", min=1, help="--serve: the most nodes one replica may span."),
+             hbm: float = typer.Option(3.35, "--hbm-bandwidth", min=0.001, help="--serve: memory bandwidth of one GPU, TB/s "
+                                       "(an H100 SXM's 3.35)."),
+             context: int = typer.Option(4096, "--context", min=1, help="--serve: tokens a sequence keeps in the KV cache."),
+             concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="--serve: sequences in flight "
+                                                       "(default: the most within --itl-ms and memory)."),
+             itl_ms: float = typer.Option(50.0, "--itl-ms", min=0.001, help="--serve: inter-token latency target, ms."),
+             weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="--serve: fp32, bf16, fp16, fp8, int8, int4."),
+             kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="--serve: KV cache dtype (as --weight-dtype)."),
+             mem_utilization: float = typer.Option(0.9, "--mem-utilization", min=0.01, max=1.0,
+                                                   help="--serve: share of GPU memory for weights and KV cache."),
              as_json: bool = JsonOpt) -> None:
     """Plan a training run: bytes per worker, the fewest workers that fit, checkpoint size and write time,
-    bytes sent per step (with and without a codec), step time, tokens/s and days to train."""
+    bytes sent per step (with and without a codec), step time, tokens/s and days to train. With --serve:
+    the serving layouts of the model and their decode rate."""
     from cs3ray.ops.planner import SCENARIOS, PlanInput, feasible_batch, plan, scenario_notes, shape
 
+    if serve:
+        from cs3ray.ops.serve_planner import ServeInput
+
+        if rehearse or scenario:
+            raise UserError("--serve plans serving; --rehearse and --scenario plan training")
+        args, _ = shape(model, int(params) if params else None, layers, hidden, heads, kv_heads, ffn, vocab,
+                        seq_len or 4096)
+        _show_serving(ServeInput(args, gpus_per_node=gpus_per_node, max_nodes=nodes, device_mem_gb=device_mem,
+                                 hbm_tbs=hbm, tflops=flops or 989.0, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                 context=context, itl_ms=itl_ms, concurrency=concurrency,
+                                 mem_utilization=mem_utilization), model, as_json)
+        return
     notes: list[str] = []
     if (rehearse_layers or config) and not rehearse:
         raise UserError("--rehearse-layers and --config go with --rehearse")
@@ -131,6 +159,40 @@ def plan_cmd(model: Optional[str] = typer.Option(None, "--model", help=f"A named
 
 ROWS = ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "residual_bytes", "activation_bytes",
         "gather_bytes", "temporary_bytes", "total_bytes")
+
+
+def _show_serving(given, model: Optional[str], as_json: bool) -> None:
+    """Every layout's memory and decode rate; the best per GPU next to the seeds' serving figure."""
+    from cs3ray.ops.serve_planner import SEEDS_ITL_MS, SEEDS_TOKENS_PER_S, plan_serving
+
+    r = plan_serving(given)
+    table = Table("tp x pp", "GPUs", "weights/GPU", "KV/seq/GPU", "max seqs", "seqs", "ITL ms", "bound", "tokens/s",
+                  "fits", title=f"serving {model or 'custom'}: {r.params / 1e9:,.1f} B parameters, weights "
+                                f"{given.weight_dtype} {_gb(r.weight_bytes)}, KV {given.kv_dtype} "
+                                f"{r.kv_bytes_per_token / 1e6:,.2f} MB a token, {given.context:,}-token sequences, "
+                                f"{given.device_mem_gb:g} GB and {given.hbm_tbs:g} TB/s a GPU (bounds from bandwidth "
+                                f"and FLOPs)")
+    for x in r.layouts:
+        table.add_row(f"{x.tp} x {x.pp}", str(x.gpus), _gb(x.weight_bytes_per_gpu),
+                      f"{x.kv_bytes_per_sequence_per_gpu / 1e6:,.0f} MB", f"{x.max_sequences:,}", f"{x.sequences:,}",
+                      f"{x.itl_ms:,.1f}", x.bound, f"{x.tokens_per_s:,.0f}", "yes" if x.fits else f"no: {x.note}")
+    shown = err_console if as_json else console
+    shown.print(table)
+    if r.best is None:
+        shown.print(f"no layout within {given.max_nodes} nodes of {given.gpus_per_node} GPUs fits with a token every "
+                    f"{given.itl_ms:g} ms", highlight=False)
+    else:
+        b, n = r.best, r.seeds_layout
+        shown.print(f"most tokens/s per GPU: tp {b.tp} x pp {b.pp} ({b.gpus} GPUs on {b.nodes} node"
+                    f"{'s' if b.nodes > 1 else ''}): {b.tokens_per_s:,.0f} tokens/s at {b.sequences:,} sequences, "
+                    f"{b.itl_ms:,.1f} ms a token", highlight=False)
+        shown.print(f"the seeds' {SEEDS_TOKENS_PER_S:,.0f} tokens/s within {SEEDS_ITL_MS:g} ms a token: fewest GPUs "
+                    f"{r.gpus_for_seeds_rate} ({r.replicas_for_seeds_rate} x tp {n.tp} x pp {n.pp}, "
+                    f"{n.tokens_per_s:,.0f} tokens/s a replica at this bound)", highlight=False)
+    shown.print("note: upper bounds (every GPU streaming at full bandwidth, steps at the mean); prefill, "
+                "scheduling and the tail of the latency take from them", highlight=False)
+    if as_json:
+        print(json.dumps(r.to_dict()))
 
 
 def _rehearse_config(path: str, workers: Optional[int], layers: Optional[int], as_json: bool) -> None:
