@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--name", default=None, help="application name and model id")
     parser.add_argument("--replicas", type=int, default=None, help="replicas (default: from the config)")
+    parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this many replicas (with --max-replicas)")
+    parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    parser.add_argument("--target-ongoing-requests", type=float, default=None,
+                        help="autoscaling target of requests in flight a replica")
     parser.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32")
     parser.add_argument("--follow", action="store_true", help="hot-reload newer checkpoints of RUN")
     parser.add_argument("--max-batch", type=int, default=None, help="sequences batched together (1: no batching)")
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = make_spec(args.run, name=args.name, token=pick_token(args.token, args.token_file), follow=args.follow,
                          host=args.host, insecure=args.insecure, trust_code=args.trust_code,
                          overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
+                                    "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                                    "target_ongoing_requests": args.target_ongoing_requests,
                                     "tls_cert": args.tls_cert, "tls_key": args.tls_key},
                          storage_options=runtime_storage_options(args.storage, args.storage_options),
                          ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas)

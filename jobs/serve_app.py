@@ -27,6 +27,10 @@ class ServeAppArgs(BaseModel):
     run: str  # run directory, run name or checkpoint folder/URL
     name: str | None = None  # model id clients send (default: the run's name); the app's own name is the config's
     replicas: int | None = None
+    # Serve's autoscaling (both bounds, or neither: then `replicas`): replicas follow requests in flight.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
     dtype: str | None = None
     follow: bool = False
     max_batch: int | None = None
@@ -41,6 +45,8 @@ def app(args: ServeAppArgs):
     # the API needs a token as jobs/serve.py's default host does.
     spec = make_spec(args.run, name=args.name, token=os.environ.get("CS3_SERVE_TOKEN"), follow=args.follow,
                      host="0.0.0.0", insecure=args.insecure, trust_code=args.trust_code,
-                     overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch},
+                     overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
+                                "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                                "target_ongoing_requests": args.target_ongoing_requests},
                      storage_options=args.storage_options)
     return build_app(spec)

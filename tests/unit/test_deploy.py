@@ -225,6 +225,8 @@ def test_rayservice_serve_config_builds_the_cs3ray_app(tmp_path, monkeypatch):
     built = call_user_app_builder_with_args_if_necessary(builder, args)
     deployment = built._bound_deployment
     assert deployment.name == "tiny-llm" and deployment.ray_actor_options["num_cpus"] == 0.5
+    scaling = deployment._deployment_config.autoscaling_config  # Serve's autoscaling from the args
+    assert (scaling.min_replicas, scaling.max_replicas) == (app["args"]["min_replicas"], app["args"]["max_replicas"])
     spec = deployment.init_args[0]
     assert spec.token == "s3cret-token" and spec.follow is True and spec.run == str(tmp_path / "run")
     # Without the Secret's variable the proxy (on every interface) would serve an open API: refused.
@@ -339,10 +341,14 @@ def test_compose_starts_a_head_and_a_worker_with_token_auth():
     assert "CS3_SERVE_TOKEN" in (DEPLOY / "entrypoint.sh").read_text()
 
 
+REGISTRY = "registry.example.com"  # the placeholder deploy/README.md says to replace with yours
+
+
 def test_images_named_are_the_ones_deploy_builds():
     version = DIST.version
     images = {c["image"] for kind in KINDS for c in ray_containers(kind)}
-    assert images <= {f"cs3ray:{version}-cpu", f"cs3ray:{version}-cuda"}
+    assert images <= {f"{REGISTRY}/cs3ray:{version}-cpu", f"{REGISTRY}/cs3ray:{version}-cuda"}
+    assert REGISTRY in (DEPLOY / "README.md").read_text()
     assert compose()["x-node"]["image"].startswith(f"cs3ray:{version}-")
 
 
@@ -524,39 +530,88 @@ def test_compose_containers_drop_privileges():
         assert service.get("user") in (None, "{}:{}".format(*image_user())), name
 
 
-def rbac() -> dict[str, dict]:
-    """deploy/kuberay/rbac.yaml's objects by kind."""
+def rbac() -> dict[tuple[str, str], dict]:
+    """deploy/kuberay/rbac.yaml's objects by (kind, name)."""
     objs = documents(RBAC)
-    by_kind = {obj["kind"]: obj for obj in objs}
-    assert len(by_kind) == len(objs) and set(by_kind) == {"ServiceAccount", "Role", "RoleBinding"}
-    return by_kind
+    by_key = {(obj["kind"], obj["metadata"]["name"]): obj for obj in objs}
+    assert len(by_key) == len(objs)
+    return by_key
 
 
 def test_pods_run_as_a_service_account_with_the_least_privilege():
     objs = rbac()
-    account, role, binding = objs["ServiceAccount"], objs["Role"], objs["RoleBinding"]
-    assert account["apiVersion"] == "v1"
-    assert role["apiVersion"] == binding["apiVersion"] == "rbac.authorization.k8s.io/v1"
-    # The binding gives the Role to the account, in the namespace the objects are applied to.
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
-    for obj in objs.values():
-        assert "namespace" not in obj["metadata"]
-    # No wildcard, nothing beyond the autoscaler's grants, and those only where it runs: no manifest
-    # enables it, so the Role grants nothing and no pod gets a token.
-    autoscaling = any(cluster_spec(kind).get("enableInTreeAutoscaling") for kind in KINDS)
-    for rule in role.get("rules") or []:
-        assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, rule
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                assert set(rule["verbs"]) <= AUTOSCALER_RULES.get((group, resource), set()), rule
-    assert autoscaling or not role.get("rules")
-    assert account["automountServiceAccountToken"] is autoscaling
+    accounts = ("cs3ray", "cs3ray-head")
+    assert set(objs) == {(kind, name) for kind in ("ServiceAccount", "Role", "RoleBinding") for name in accounts}
+    for name in accounts:
+        account, role, binding = (objs[(kind, name)] for kind in ("ServiceAccount", "Role", "RoleBinding"))
+        assert account["apiVersion"] == "v1"
+        assert role["apiVersion"] == binding["apiVersion"] == "rbac.authorization.k8s.io/v1"
+        # The binding gives the Role to the account, in the namespace the objects are applied to.
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name}]
+        assert account["automountServiceAccountToken"] is False  # only a pod that needs it turns it on
+        for obj in (account, role, binding):
+            assert "namespace" not in obj["metadata"]
+        # No wildcard, nothing beyond the autoscaler's grants.
+        for rule in role.get("rules") or []:
+            assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    assert set(rule["verbs"]) <= AUTOSCALER_RULES.get((group, resource), set()), rule
+    # Workers and the submitter: no rights, no token. Heads, where the autoscaler runs: its rights exactly.
+    assert not objs[("Role", "cs3ray")].get("rules")
+    granted = {(group, resource): set(rule["verbs"]) for rule in objs[("Role", "cs3ray-head")]["rules"]
+               for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert granted == AUTOSCALER_RULES
     for kind in KINDS:
-        for name, _, template in kuberay_pods(kind):
-            assert template["spec"].get("serviceAccountName") == account["metadata"]["name"], (kind, name)
-            assert template["spec"].get("automountServiceAccountToken", autoscaling) is autoscaling, (kind, name)
+        assert cluster_spec(kind)["enableInTreeAutoscaling"] is True
+        for name, labels, template in kuberay_pods(kind):
+            head = labels.get("ray.io/node-type") == "head"
+            assert template["spec"].get("serviceAccountName") == ("cs3ray-head" if head else "cs3ray"), (kind, name)
+            assert template["spec"].get("automountServiceAccountToken", False) is head, (kind, name)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_clusters_autoscale_and_keep_work_off_the_head(kind):
+    spec = cluster_spec(kind)
+    assert spec["enableInTreeAutoscaling"] is True
+    options = spec["autoscalerOptions"]
+    assert {"cpu", "memory"} <= set(options["resources"]["requests"]) and options["idleTimeoutSeconds"] > 0
+    # The head advertises no CPU: tasks, actors and Serve replicas go to the workers the autoscaler adds.
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group in spec["workerGroupSpecs"]:
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
+    assert any(group["minReplicas"] < group["maxReplicas"] for group in spec["workerGroupSpecs"])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_ray_logs_and_the_shard_cache_live_on_bounded_node_disk(kind):
+    """Ray's session directory and the cache's L2 (cache.disk_dir) are emptyDirs with a size bound, and each
+    Ray container asks for the ephemeral storage they and its own files take."""
+    disk_dir = load_config(ROOT / "configs/tiny.yaml").cache.disk_dir
+    home = "/home/ray"  # the image's user's home (deploy/Dockerfile's useradd)
+    spec = cluster_spec(kind)
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        container = pod["containers"][0]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/tmp/ray"]]
+        cache = next(path for path in mounts if disk_dir.replace("~", home).startswith(path + "/"))
+        assert "emptyDir" in volumes[mounts[cache]]
+        bounds = sum(int(v["emptyDir"]["sizeLimit"].removesuffix("Gi")) for v in volumes.values())
+        for bound in ("requests", "limits"):
+            assert int(container["resources"][bound]["ephemeral-storage"].removesuffix("Gi")) > bounds, group
+
+
+def test_the_service_survives_a_head_restart_and_the_job_has_a_deadline():
+    ft = cluster_spec("RayService")["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"].startswith("redis://")
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "cs3ray-redis", "key": "password"}
+    assert "cs3ray-redis" in (DEPLOY / "README.md").read_text()
+    assert MANIFESTS["RayJob"][1]["spec"]["activeDeadlineSeconds"] > 0
+    (app,) = serve_config()["applications"]
+    assert 1 <= app["args"]["min_replicas"] < app["args"]["max_replicas"]
 
 
 @functools.cache
