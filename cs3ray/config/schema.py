@@ -76,7 +76,10 @@ class DataConfig(Section):
     source: str = Field(
         "python-stdlib",
         description="Corpus: 'python-stdlib' (the text files of this Python installation), a local dir, "
-                    "a file, or an fsspec URL of text / parquet / jsonl files.")
+                    "a file, or an fsspec URL of text / parquet / jsonl files, prepared into data.cache_dir; or a "
+                    "shard set `cs3 data prepare` made (its folder or URL), read as it is: its manifest, tokenizer "
+                    "(= data.tokenizer), seq_len (= train.seq_len) and listing are checked before training, each "
+                    "shard's sha256 as a worker reads it, and the other data.* preparation fields do not apply.")
     format: Literal["auto", "text", "parquet", "jsonl"] = Field(
         "auto", description="How to read the source; 'auto' goes by file extension.")
     text_column: str = Field("text", description="Column holding the text in parquet/jsonl sources.")

@@ -155,15 +155,21 @@ def read_manifest(dest: Storage) -> dict:
     if not dest.exists(MANIFEST):
         raise DataError(f"'{dest.url}' has no {MANIFEST}: it is not a prepared shard set "
                         f"(run `cs3 data prepare SRC {dest.url}`).")
+    return parse_manifest(dest.read_bytes(MANIFEST), dest.url)
+
+
+def parse_manifest(raw: bytes, url: str) -> dict:
+    """The manifest of the shard set at `url` from its stored bytes: JSON only (nothing stored is executed or
+    unpickled), of this format version, with a train and a val split whose entries are checked names and counts."""
     try:
-        manifest = json.loads(dest.read_text(MANIFEST))
+        manifest = json.loads(raw)
         assert manifest["format_version"] == FORMAT_VERSION
         assert manifest["splits"]["train"] and manifest["splits"]["val"]
         entries = [e for split in manifest["splits"].values() for e in split]
     except (ValueError, KeyError, AssertionError, TypeError, AttributeError):
-        raise DataError(f"'{dest.url}/{MANIFEST}' is corrupt or of another format version.") from None
+        raise DataError(f"'{url}/{MANIFEST}' is corrupt or of another format version.") from None
     for entry in entries:
-        _check_entry(entry, f"'{dest.url}/{MANIFEST}'")
+        _check_entry(entry, f"'{url}/{MANIFEST}'")
     return manifest
 
 

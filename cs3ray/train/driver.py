@@ -14,7 +14,7 @@ from typing import Any, Callable
 from cs3ray.ckpt import list_steps, resolve_checkpoint, step_dir
 from cs3ray.config import JobConfig, to_yaml
 from cs3ray.config.redact import redact_values
-from cs3ray.data import ShardSpec, ensure_shards
+from cs3ray.data import ShardSpec, ensure_shards, prepared_shards
 from cs3ray.data.dataset_stream import RESTART_WARNING, check_rows
 from cs3ray.data.transform import load_transform
 from cs3ray.errors import UserError
@@ -59,6 +59,19 @@ def prepare_run_dir(cfg: JobConfig, resume: bool, overwrite: bool) -> Storage:
 
 
 def prepare_data(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Storage, dict]:
+    """The job's shards: the prepared shard set data.source names, verified (never prepared again), or the
+    corpus' shards from the cache or made now (`prepare_corpus`)."""
+    return named_shard_set(cfg) or prepare_corpus(cfg, on_event)
+
+
+def named_shard_set(cfg: JobConfig) -> tuple[Storage, dict] | None:
+    """The shard set data.source names, verified for this job before any worker starts (manifest, tokenizer,
+    seq_len, listing: cs3ray.data.shard_source); None when data.source is a corpus."""
+    return prepared_shards(cfg.data.source, cfg.storage.options, load_tokenizer(cfg.data.tokenizer),
+                           cfg.train.seq_len)
+
+
+def prepare_corpus(cfg: JobConfig, on_event: EventSink | None = None) -> tuple[Storage, dict]:
     """Shards for the job's corpus, from the cache or made now (reported as 'prepare' events): by the Ray
     Data pipeline when Ray is connected, as in `train`; in this process otherwise, with the same output."""
     import ray
@@ -217,6 +230,9 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
 
     started = time.time()
     torch_config = _torch_config(cfg)  # a missing torchft is reported before anything is written
+    # A shard set named by data.source needs no cluster to check: one that does not fit is refused before a
+    # cluster starts or --overwrite clears the run.
+    named = named_shard_set(cfg) if dataset is None else None
     run = prepare_run_dir(cfg, resume, overwrite)
     check_tokenizer(cfg, run, resume)
     _check_transform(cfg.data.transform)
@@ -233,7 +249,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
 
             start_keepers()
         if dataset is None:
-            shards_url, val_rows = prepare_data(cfg, on_event)[0].url, None
+            shards_url, val_rows = (named or prepare_corpus(cfg, on_event))[0].url, None
         else:
             shards_url, val_rows = None, _val_rows(cfg, val_dataset if val_dataset is not None else dataset)
         run.write_text(to_yaml(cfg), "config.yaml")
