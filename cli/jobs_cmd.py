@@ -24,6 +24,8 @@ EnvOpt = typer.Option(None, "--env", help="KEY or KEY=VALUE to set in the job (r
                                           "shell's value). Not for credentials: `ray job list` shows them; the "
                                           "cluster's own chain gives them.")
 PipOpt = typer.Option(None, "--pip", help="Extra pip package for the job (repeatable).")
+RawOpt = typer.Option(False, "--raw", help="Print the job's output as it is (its JSON event lines), not as "
+                                            "`cs3 train` shows progress.")
 app = typer.Typer(help="Ray jobs on a cluster: list, status, logs, stop.", no_args_is_help=True)
 
 
@@ -47,6 +49,26 @@ def _env_vars(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _follow(dashboard: jobs.Dashboard, job_id: str, raw: bool) -> None:
+    """Follow the job's log to its end through dropped streams; exit 0 if it succeeded, else 1."""
+    from cs3ray.ops import job_follow
+
+    from .job_lines import Renderer
+
+    render = Renderer(lambda text: (sys.stdout.write(text), sys.stdout.flush()), raw=raw)
+    note = lambda line: err_console.print(line, highlight=False)  # noqa: E731
+    try:
+        status = job_follow.follow(dashboard, job_id, render, note)
+    except KeyboardInterrupt:
+        err_console.print(f"stopped following; job {job_id} keeps running (`cs3 jobs stop {job_id}`)")
+        raise typer.Exit(130) from None
+    finally:
+        render.close()
+    if status != "SUCCEEDED":
+        fail(f"job {job_id} ended {status}", 1)
+    err_console.print(f"job {job_id} succeeded", highlight=False)
+
+
 def _shown(info: dict) -> dict:
     # Jobs submitted by other means (`ray job submit`) may carry a credential in their entrypoint.
     from cs3ray.ops import job_credentials
@@ -62,10 +84,12 @@ def submit(config: str = typer.Argument(..., help="YAML job config, inside the w
                                                                       "(.gitignore and .rayignore honoured)."),
            name: Optional[str] = typer.Option(None, "--name", help="Run name (overrides run.name)."),
            no_wait: bool = typer.Option(False, "--no-wait", help="Return once submitted; do not follow the logs."),
+           raw: bool = RawOpt,
            env: Optional[list[str]] = EnvOpt, pip: Optional[list[str]] = PipOpt,
            resume: bool = typer.Option(False, "--resume", help="Continue the run from its newest checkpoint."),
            overwrite: bool = typer.Option(False, "--overwrite", help="Start the run over.")) -> None:
-    """Submit a training run as a Ray job and follow its logs until it ends (exit 1 if it fails)."""
+    """Submit a training run as a Ray job and follow its logs until it ends (exit 1 if it fails or is stopped).
+    With --name, a run of that name already pending or running on the cluster is an error, not a second job."""
     from cs3ray.config import load_config
     from cs3ray.ops import job_credentials, jobs
 
@@ -88,20 +112,16 @@ def submit(config: str = typer.Argument(..., help="YAML job config, inside the w
     if warning:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     flags = ["--resume"] * resume + ["--overwrite"] * overwrite
-    job_id = jobs.submit(dashboard, rel, extra + run_dir, root, env_vars, list(pip or []), flags)
+    if name and (running := jobs.active_job_of_run(dashboard, cfg.run.name)):
+        raise UserError(f"run '{cfg.run.name}' is already being trained by job {running}: follow it with "
+                        f"`cs3 jobs logs {running} -f`, or stop it with `cs3 jobs stop {running}` first.")
+    job_id = jobs.submit(dashboard, rel, extra + run_dir, root, env_vars, list(pip or []), flags, cfg.run.name)
     err_console.print(f"submitted job {job_id} (run '{cfg.run.name}'); `cs3 jobs logs {job_id} --follow`, "
                       f"`cs3 jobs stop {job_id}`", highlight=False)
     if no_wait:
         print(job_id)
         return
-    try:
-        status = jobs.follow(dashboard, job_id, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    except KeyboardInterrupt:
-        err_console.print(f"stopped following; job {job_id} keeps running (`cs3 jobs stop {job_id}`)")
-        raise typer.Exit(130) from None
-    if status != "SUCCEEDED":
-        fail(f"job {job_id} ended {status}", 1)
-    err_console.print(f"job {job_id} succeeded", highlight=False)
+    _follow(dashboard, job_id, raw)
 
 
 @app.command("ls")
@@ -142,16 +162,23 @@ def status(job_id: str = typer.Argument(..., help="Job id (from `cs3 submit` or 
 @app.command("logs")
 @user_errors
 def logs(job_id: str = typer.Argument(..., help="Job id."), address: Optional[str] = DashboardOpt,
-         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends (through "
+                                     "dropped connections), then exit 0 if it succeeded, 1 if it failed or was "
+                                     "stopped."),
+         raw: bool = RawOpt) -> None:
     """A job's logs so far (or, with --follow, until it ends)."""
     from cs3ray.ops import jobs
 
+    from .job_lines import Renderer
+
     dashboard = _dashboard(address)
     if follow:
-        jobs.follow(dashboard, job_id, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        _follow(dashboard, job_id, raw)
         return
     client = jobs.client(dashboard)
-    sys.stdout.write(jobs.call(dashboard, lambda: client.get_job_logs(job_id)))
+    render = Renderer(sys.stdout.write, raw=raw)
+    render(jobs.call(dashboard, lambda: client.get_job_logs(job_id)))
+    render.close()
 
 
 @app.command("stop")

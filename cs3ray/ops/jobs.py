@@ -9,7 +9,6 @@ token file on this machine turns on (as for `ray.init`). Nothing here stores a t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -25,6 +24,7 @@ from .cluster_record import recorded_cluster
 from .ray_auth import join_with_token
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+RUN_KEY = "cs3_run"  # the job metadata key naming the run a `cs3 submit` job trains
 # Besides .gitignore and .rayignore, which Ray honours itself: never upload the repository's history.
 EXCLUDES = [".git"]
 
@@ -166,8 +166,9 @@ def entrypoint(working_dir: str) -> list[str]:
 
 
 def submit(dashboard: Dashboard, config: str, overrides: list[str], working_dir: str, env_vars: dict[str, str],
-           pip: list[str], extra_args: list[str]) -> str:
-    """Submit a training run of CONFIG (relative to the working dir) with the working dir; returns the job id."""
+           pip: list[str], extra_args: list[str], run_name: str | None = None) -> str:
+    """Submit a training run of CONFIG (relative to the working dir) with the working dir; returns the job id.
+    `run_name` goes into the job's metadata, where `active_job_of_run` finds it."""
     entry = [*entrypoint(working_dir), config, *overrides, *extra_args]
     runtime_env: dict[str, Any] = {"working_dir": working_dir, "excludes": EXCLUDES}
     if env_vars:
@@ -175,19 +176,19 @@ def submit(dashboard: Dashboard, config: str, overrides: list[str], working_dir:
     if pip:
         runtime_env["pip"] = pip
     jobs = client(dashboard)
-    return call(dashboard, lambda: jobs.submit_job(entrypoint=shlex.join(entry), runtime_env=runtime_env))
+    metadata = {RUN_KEY: run_name} if run_name else None
+    return call(dashboard, lambda: jobs.submit_job(entrypoint=shlex.join(entry), runtime_env=runtime_env,
+                                                   metadata=metadata))
 
 
-def follow(dashboard: Dashboard, job_id: str, out: Callable[[str], None]) -> str:
-    """Print the job's logs as they come until it ends; returns its final status."""
+def active_job_of_run(dashboard: Dashboard, run_name: str) -> str | None:
+    """The id of a pending or running job that `cs3 submit` started for `run_name`, or None."""
     jobs = client(dashboard)
-
-    async def tail() -> None:
-        async for lines in jobs.tail_job_logs(job_id):
-            out(lines)
-
-    call(dashboard, lambda: asyncio.run(tail()))
-    return str(call(dashboard, lambda: jobs.get_job_status(job_id)).value)
+    for info in call(dashboard, jobs.list_jobs):
+        status = getattr(info.status, "value", str(info.status))
+        if (info.metadata or {}).get(RUN_KEY) == run_name and status not in TERMINAL:
+            return info.submission_id or info.job_id
+    return None
 
 
 def describe(info: Any) -> dict[str, Any]:
