@@ -22,6 +22,8 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
                                                                          "checkpoint's config names."),
              dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32 "
                                                             "(default: serve.dtype of the run's config)."),
+             device: str = typer.Option("auto", "--device", help="Where the model runs: auto (a CUDA GPU when one "
+                                                                 "is visible, else the CPU), cpu or cuda."),
              replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
              storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Continue PROMPT with the newest checkpoint of RUN."""
@@ -30,11 +32,12 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
     from cs3ray.core.precision import inference_dtype
     from cs3ray.models.generate import SamplingParams
 
-    wanted = inference_dtype(dtype, "cpu") if dtype else None  # a bad name is refused before loading
+    where = pick_device(device)  # a bad name or a missing GPU is refused before loading
+    wanted = inference_dtype(dtype, where) if dtype else None
     loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code,
                                 replicas=replica or [], stored_replicas=use_stored_replicas)
     # Whatever precision the run trained in: the checkpoint holds fp32 weights, cast here.
-    loaded.model.to(wanted or inference_dtype(loaded.config.serve.dtype, "cpu"))
+    loaded.model.to(device=where, dtype=wanted or inference_dtype(loaded.config.serve.dtype, where))
     budget = loaded.model.args.max_seq_len - len(loaded.tokenizer.encode(prompt)) - 1
     if budget <= 0:
         raise typer.BadParameter(f"the prompt is longer than the model's context ({loaded.model.args.max_seq_len} tokens)")
@@ -42,6 +45,21 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
                             max_tokens=min(max_tokens, budget), seed=seed)
     text = generate_text(loaded.model, loaded.tokenizer, prompt, params)
     console.print(prompt + text, highlight=False, markup=False, soft_wrap=True)
+
+
+def pick_device(name: str):
+    """The torch device for --device: auto takes CUDA when torch sees a GPU; cuda without one is refused."""
+    import torch
+
+    from cs3ray.errors import UserError
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown --device '{name}': use auto, cpu or cuda.")
+    has_cuda = torch.cuda.is_available()
+    if name == "cuda" and not has_cuda:
+        raise UserError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU visible); "
+                        "use --device cpu or auto.")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and has_cuda) else "cpu")
 
 
 def generate_text(*args, **kwargs) -> str:

@@ -64,3 +64,33 @@ def test_an_unknown_dtype_is_one_sentence_and_exit_2(run, command):
     assert res.exit_code == 2, res.output
     assert "fp8" in res.output and "fp16" in res.output and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_generate_runs_where_device_says_and_refuses_a_missing_gpu(run, monkeypatch):
+    seen = []
+    real = generate_cmd.generate_text
+    monkeypatch.setattr(generate_cmd, "generate_text",
+                        lambda model, *rest: (seen.append(next(model.parameters()).device.type), real(model, *rest))[1])
+    args = ["generate", str(run), "--prompt", "def ", "--max-tokens", "4", "--temperature", "0"]
+    for device in ("cpu", "auto"):
+        res = CliRunner().invoke(app, args + ["--device", device])
+        assert res.exit_code == 0, res.output
+    assert seen == ["cpu", "cuda" if torch.cuda.is_available() else "cpu"]
+    for device, message in (("tpu", "unknown --device 'tpu'"), *((("cuda", "no CUDA device"),)
+                                                                  if not torch.cuda.is_available() else ())):
+        res = CliRunner().invoke(app, args + ["--device", device])
+        assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_generate_on_cuda_in_each_precision(run, precision, monkeypatch):
+    seen = []
+    real = generate_cmd.generate_text
+    monkeypatch.setattr(generate_cmd, "generate_text",
+                        lambda model, *rest: (seen.append(next(model.parameters()).device.type), real(model, *rest))[1])
+    args = ["generate", str(run), "--prompt", "def ", "--max-tokens", "6", "--temperature", "0", "--dtype", precision]
+    on_gpu = CliRunner().invoke(app, args + ["--device", "cuda"])
+    assert on_gpu.exit_code == 0, on_gpu.output
+    assert seen == ["cuda"] and on_gpu.stdout.startswith("def ")
