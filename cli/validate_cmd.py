@@ -30,12 +30,19 @@ def validate_cmd(address: Optional[str] = AddressOpt,
                                                "reach: the tiny model under-fills accelerators, so lower it on GPU nodes "
                                                "(and judge your own model with `cs3 bench train`)."),
                  out: Optional[Path] = OutOpt,
+                 soak: Optional[str] = typer.Option(None, "--soak", help="Instead of the checklist: train, checkpoint, "
+                                                    "kill a worker and serve for DURATION (e.g. 20m), sampling every "
+                                                    "Ray process; fail any series that would outgrow its limit in 72 h."),
+                 soak_interval: str = typer.Option("60s", "--soak-interval", help="--soak: time between samples."),
                  as_json: bool = JsonOpt) -> None:
     """Measure the go-live checklist on the cluster: versions and clocks, collective bandwidth vs the link,
     training MFU, recovery from a killed worker, serving P99 inter-token latency, storage reads, metrics.
     Exit codes: 0 every item passed; 1 an item failed (named); 2 bad input."""
     from cs3ray.bench import validate
 
+    if soak is not None:
+        _soak(address, soak, soak_interval, as_json)
+        return
     r = measured("validate", validate.run, address, quick, storage, min_mfu,
                  log=lambda line: err_console.print(line, highlight=False))
     emit(f"cs3 validate ({r['level']}; figures measured repeatedly: median of the rounds [95% interval], "
@@ -46,3 +53,24 @@ def validate_cmd(address: Optional[str] = AddressOpt,
     failed = [name for name, c in r["checks"].items() if not c["passed"]]
     if failed:
         raise ChecklistFailed(f"validate: {len(failed)} of {len(r['checks'])} items failed: {', '.join(failed)}")
+
+
+def _soak(address: Optional[str], duration: str, interval: str, as_json: bool) -> None:
+    from cs3ray.bench import soak
+    from cs3ray.ops.soak import parse_duration
+
+    try:
+        duration_s, interval_s = parse_duration(duration), parse_duration(interval)
+    except ValueError as exc:
+        raise UserError(f"--soak / --soak-interval: {exc}") from None
+    if interval_s * 3 > duration_s:
+        raise UserError(f"--soak {duration} holds fewer than 3 samples of --soak-interval {interval}: a slope needs more.")
+    r = measured("soak", soak.run, duration_s, interval_s, address,
+                 log=lambda line: err_console.print(line, highlight=False))
+    emit(f"soak of {duration_s:.0f} s, a sample every {interval_s:.0f} s ({r['samples']} samples; {r['training_steps']} "
+         f"training steps, {r['checkpoints']} checkpoints, {r['restarts']} restart(s), {r['requests']} requests, "
+         f"{r['errors']} errors): failed series and every aggregate, growth extrapolated to 72 h",
+         soak.COLUMNS, soak.rows(r), r, as_json)
+    if r["soak"]["failed"]:
+        names = ", ".join(f"{s['process']} {s['metric']}" for s in r["soak"]["failed"])
+        raise ChecklistFailed(f"soak: {len(r['soak']['failed'])} series would outgrow their limit in 72 h: {names}")
