@@ -36,6 +36,8 @@ def test_small_config_has_the_promised_shape():
     ("train.seq_len=4096", "exceeds model.max_seq_len"),
     ("nodot", "must look like section.field=value"),
     ("train=3", "train=3"),
+    ("checkpoint.every_minutes=0", "checkpoint.every_minutes=0 is invalid: must be a number of minutes above 0"),
+    ("checkpoint.every_minutes=-15", "checkpoint.every_minutes=-15 is invalid: must be a number of minutes above 0"),
 ])
 def test_bad_overrides_are_one_clear_line(override, needle):
     with pytest.raises(ConfigError) as info:
