@@ -72,6 +72,15 @@ def test_every_field_is_explained():
     assert "train.lr" in {n for n, _, _ in rows}
 
 
+def test_piped_explain_prints_every_field_whole_on_its_own_line():
+    result = CliRunner().invoke(app, ["config", "explain"])  # its output is not a terminal
+    assert result.exit_code == 0, result.output
+    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [tuple(line) for line in lines] == explain()
+    assert ["checkpoint.every_minutes", "null"] == lines[[n for n, *_ in lines].index("checkpoint.every_minutes")][:2]
+    assert load_config(None, ["checkpoint.every_minutes=0.01"]).checkpoint.every_minutes == 0.01
+
+
 def test_cli_exits_2_with_one_line_and_no_traceback():
     runner = CliRunner()
     for override in ("train.lr=-1", "train.nope=3", "precision=fp7"):
