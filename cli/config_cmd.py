@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -29,9 +30,10 @@ def explain_cmd() -> None:
     from cs3ray.config import explain
 
     rows = explain()
-    if not console.is_terminal:
-        # Piped or redirected: a table would be cut to 80 columns and clip field names; one
-        # tab-separated line per field keeps every name whole for grep and cut.
+    if not sys.stdout.isatty():
+        # Piped or redirected: a table would be cut to 80 columns and clip field names; one tab-separated
+        # line per field keeps every name whole for grep and cut (FORCE_COLOR, which makes rich draw
+        # tables into pipes, does not change that).
         for row in rows:
             typer.echo("\t".join(row))
         return

@@ -22,7 +22,7 @@ from cs3ray.storage import Storage, is_remote, open_private
 EVENTS = "events.jsonl"
 SEGMENTS = "events"
 _SEGMENT = re.compile(r"(\d+)\.jsonl")
-# A segment is written at most SEGMENT_WRITES times (each line is PUT 5.5 times on average, 10 at most:
+# A segment is written at most SEGMENT_WRITES times (each line is PUT about 5.5 times, 10 at most:
 # bytes linear in the log) and object-store flushes come at most every REMOTE_FLUSH_S, so a 30-day run
 # with new events at every 1 s poll makes one segment per >= 200 s: at most 12,960 objects.
 SEGMENT_WRITES = 10
