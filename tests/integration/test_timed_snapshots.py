@@ -27,9 +27,9 @@ def test_time_triggered_snapshots_come_at_steps_every_rank_agrees_on(ray_client,
                                                    "checkpoint.every_minutes=0.002", f"checkpoint.keep={STEPS}"])
     assert train(cfg, quiet=True)["steps"] == STEPS
     saves = [e for e in read_events(open_url(str(run_dir))) if e["event"] == "checkpoint"]
-    timed = [e["step"] for e in saves if e["trigger"] == "minutes"]
-    assert len(timed) >= 2 and timed == sorted(set(timed)) and max(timed) < STEPS, saves
-    assert (saves[-1]["step"], saves[-1]["trigger"]) == (STEPS, "end")
+    # Before the last step (the last one's snapshot is taken anyway: its trigger may read either).
+    timed = [e["step"] for e in saves if e["trigger"] == "minutes" and e["step"] < STEPS]
+    assert len(timed) >= 2 and saves[-1]["step"] == STEPS and saves[-1]["trigger"] in ("minutes", "end"), saves
     # A snapshot is a collective: had a rank skipped a step rank 0 snapshotted (or taken another), the
     # save would have hung or left a folder without the manifest. Each one holds both ranks' own files.
     assert list_steps(open_url(str(run_dir))) == [e["step"] for e in saves]
