@@ -249,7 +249,7 @@ def _restore(tr: _Trainer, say, rounds: int) -> dict[str, Any]:
 
 def title(r: dict) -> str:
     return (f"checkpoints ({r['config']}; medians of {r['rounds']} rounds [95% interval]; at 15 minutes: blocking "
-            f"s / 900 s: {stats.verdict_line(r)})")
+            f"s / 900 s: {stats.verdict_line(r, 3)})")  # 3 digits: the 15-minute overheads are hundredths of a %
 
 
 def rows(r: dict) -> list[tuple]:
