@@ -11,7 +11,7 @@ import pytest
 
 from cs3ray.ops import events as event_log
 from cs3ray.ops.events import EVENTS, EventLog, read_events, segment_indices
-from cs3ray.ops.runs_overview import load_run
+from cs3ray.ops.runs_overview import list_runs, load_run
 from cs3ray.storage import Storage, open_url
 
 
@@ -97,8 +97,11 @@ def test_every_reader_gets_each_event_once_in_order_across_a_resume(where, tmp_p
     resumed.add({"event": "end", "seq": 8, "step": 9, "stopped": False})
     resumed.flush()
     assert [e["seq"] for e in read_events(run)] == list(range(9))
-    record = load_run(run.url)  # what `cs3 report` and `cs3 runs ls` read
+    record = load_run(run.url)  # what `cs3 report` reads
     assert [e["seq"] for e in record.events] == list(range(9)) and record.status == "finished"
+    parent, name = run.url.rsplit("/", 1)
+    [listed] = list_runs(parent)  # what `cs3 runs ls` reads: a run of segments alone is found too
+    assert listed.name == name and [e["seq"] for e in listed.events] == list(range(9))
     if where == "local":
         assert segment_indices(run) == [] and len((tmp_path / "run" / EVENTS).read_text().splitlines()) == 9
     else:
