@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -25,10 +26,18 @@ def show(config: str = typer.Argument(..., help="YAML config file."),
 
 @app.command("explain")
 def explain_cmd() -> None:
-    """List every config field with its default and meaning."""
+    """List every config field with its default and meaning (tab-separated lines when not printed to a terminal)."""
     from cs3ray.config import explain
 
+    rows = explain()
+    if not sys.stdout.isatty():
+        # Piped or redirected: a table would be cut to 80 columns and clip field names; one tab-separated
+        # line per field keeps every name whole for grep and cut (FORCE_COLOR, which makes rich draw
+        # tables into pipes, does not change that).
+        for row in rows:
+            typer.echo("\t".join(row))
+        return
     table = Table("field", "default", "description", show_lines=False)
-    for name, default, desc in explain():
+    for name, default, desc in rows:
         table.add_row(name, default, desc)
     console.print(table)

@@ -214,6 +214,9 @@ class CompressionConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(100, ge=1, description="Steps between checkpoints (one is always taken at the end).")
+    every_minutes: float | None = Field(
+        None, description="Minutes between checkpoints beside checkpoint.every's steps: whichever comes first takes "
+                          "one (rank 0's clock since the last, decided for all ranks in the step's loss all-reduce).")
     keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones and chunks no kept one references are deleted.")
     async_mode: Literal["disabled", "async"] = Field(
         "disabled", description="'async': only the copy of the tensors blocks training; the write runs in the background.")
@@ -222,6 +225,13 @@ class CheckpointConfig(Section):
     incremental: bool = Field(True, description="Store tensors as content-addressed chunks and reference the unchanged ones instead of rewriting them.")
     retry_deadline_s: float = Field(
         60.0, gt=0, description="Keep retrying a checkpoint read or upload that fails transiently (or hangs) for this long, then fail.")
+
+    @field_validator("every_minutes")
+    @classmethod
+    def _positive_minutes(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:  # `not >` also refuses nan
+            raise ValueError("must be a number of minutes above 0 (leave it unset to checkpoint by steps only)")
+        return v
 
 
 class ElasticWorkers(Section):

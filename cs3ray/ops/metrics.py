@@ -1,50 +1,12 @@
-"""Run metrics: a JSONL event log per run, and Ray metrics (Prometheus) for live dashboards."""
+"""Run metrics: the figures a run's events carry, as Ray metrics (Prometheus) for live dashboards.
+
+The events themselves go to the run's JSONL log (cs3ray.ops.events).
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from typing import Any
-
-from cs3ray.config.redact import redact_values
-from cs3ray.storage import Storage, is_remote, open_private
-
-EVENTS = "events.jsonl"
-
-
-class EventLog:
-    """Append-only JSONL of a run's events (progress, eval, checkpoint, summary).
-
-    Local files are appended line by line; object stores cannot append, so there the whole
-    log is rewritten (atomically) on flush. Runs log a few hundred lines, so that stays cheap.
-    """
-
-    def __init__(self, run: Storage) -> None:
-        self.run = run
-        self.lines: list[str] = []
-        self._flushed = 0
-        self._remote = is_remote(run.url)
-        if not self._remote:
-            run.makedirs()
-        elif run.exists(EVENTS):
-            self.lines = run.read_text(EVENTS).splitlines()
-            self._flushed = len(self.lines)
-
-    def add(self, event: dict[str, Any]) -> None:
-        event = {"time": round(time.time(), 3), **event}
-        self.lines.append(json.dumps(redact_values(event), sort_keys=True))  # a URL's password, say
-
-    def flush(self) -> None:
-        if self._flushed == len(self.lines):
-            return
-        if self._remote:
-            self.run.write_text("\n".join(self.lines) + "\n", EVENTS)
-        else:
-            with open_private(self.run.path(EVENTS), "a") as f:
-                f.write("\n".join(self.lines[self._flushed:]) + "\n")
-        self._flushed = len(self.lines)
-
 
 # Prometheus names get Ray's "ray_" prefix on the metrics endpoint (counters also "_total").
 TRAIN_GAUGES: dict[str, str] = {

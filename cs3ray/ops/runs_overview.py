@@ -13,7 +13,7 @@ from cs3ray.config.runs import open_run
 from cs3ray.errors import UserError
 from cs3ray.storage import Storage, StorageError, open_url
 
-from .metrics import EVENTS
+from .events import EVENTS, SEGMENTS, has_events, read_events
 
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
@@ -91,22 +91,9 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def parse_events(text: str) -> list[dict[str, Any]]:
-    """The events of an events.jsonl, skipping a torn last line (a driver killed mid-write)."""
-    events = []
-    for line in text.splitlines():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(e, dict) and "event" in e:
-            events.append(e)
-    return events
-
-
 def read_run(storage: Storage) -> RunRecord:
     """A run's events, summary and complete checkpoints (each may be missing)."""
-    events = parse_events(storage.read_text(EVENTS)) if storage.exists(EVENTS) else []
+    events = read_events(storage)
     summary = None
     if storage.exists(SUMMARY):
         try:
@@ -124,8 +111,8 @@ def load_run(run: str, storage_options: dict | None = None) -> RunRecord:
     except StorageError as exc:
         raise RunError(str(exc)) from None
     if not record.events:
-        raise RunError(f"run '{run}' has no events ('{storage.child(EVENTS).url}' is missing or empty): "
-                       "it has not started training.")
+        raise RunError(f"run '{run}' has no events ('{storage.url}' holds neither a non-empty {EVENTS} nor "
+                       f"{SEGMENTS}/ segments): it has not started training.")
     return record
 
 
@@ -138,7 +125,7 @@ def list_runs(runs_dir: str, storage_options: dict | None = None) -> list[RunRec
         records = []
         for name in root.ls():
             child = root.child(name)
-            if any(child.exists(f) for f in (EVENTS, SUMMARY, CONFIG)):
+            if has_events(child) or any(child.exists(f) for f in (SUMMARY, CONFIG)):
                 records.append(read_run(child))
     except StorageError as exc:
         raise RunError(str(exc)) from None

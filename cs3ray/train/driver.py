@@ -20,7 +20,8 @@ from cs3ray.data.transform import load_transform
 from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
-from cs3ray.ops.metrics import EventLog, RunMetrics
+from cs3ray.ops.events import EventLog
+from cs3ray.ops.metrics import RunMetrics
 from cs3ray.ops.run_loggers import RunLogger, check_loggers, close_loggers, observe_all, open_loggers
 from cs3ray.storage import Storage, StorageError, open_url
 
@@ -355,8 +356,8 @@ def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metri
         if on_event:
             on_event(e)
     metrics.refresh()
-    if new:
-        log.flush()
+    # Every poll, new events or not: on object storage events wait for the next due write (ops.events).
+    log.flush(force=False)
     return new
 
 

@@ -33,6 +33,7 @@ from cs3ray.storage import open_url
 from .balance import Balancer
 from .elastic import plan_batch
 from .replicas import ReplicaSync, load_in_place
+from .snapshots import END, STEPS, SnapshotClock, trigger
 
 # Step times a process keeps for its end event (`step_s`): enough to find a run's steady state.
 STEP_TIMES_KEPT = 1024
@@ -209,7 +210,8 @@ class Worker:
         total, count = _all_reduce([total, count], self.device)
         return total / max(count, 1)
 
-    def save(self) -> str:
+    def save(self, why: str = STEPS) -> str:
+        """Snapshot the run at this step on every rank; `why` (a snapshots trigger) goes into its event."""
         p = self.progress
         meta = {"step": p.step, "tokens_seen": p.tokens_seen, "initial_val_loss": p.initial_val_loss,
                 "val_loss": p.val_loss, "scaler": self.core.scaler.state_dict(), "world_size": self.world,
@@ -222,7 +224,7 @@ class Worker:
         compression = self.core.compression_state()
         rank_state = {**rng_state(), **({"compression": compression} if compression else {})}
         url = self.ckpt.save(p.step, self.core.state(), meta, rank_state, files)
-        self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3),
+        self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3), trigger=why,
                     data_samples=meta["data"]["samples"] if meta["data"] else None)
         return url
 
@@ -252,6 +254,7 @@ class Worker:
         participants = self.world
         balancer = Balancer([self.plan.micro_batch] * self.topo.dp) if t.balance and self.topo.dp > 1 else None
         self._balance_mark = (time.perf_counter(), self.core.busy.seconds, p.step)
+        snapshots = SnapshotClock(cfg.checkpoint.every_minutes)
         while p.step < t.steps:
             t0 = time.perf_counter()
             if self.sync is not None:
@@ -264,14 +267,17 @@ class Worker:
             tracked = tracked or track
             loss, ok = self.core.step(next_batch, lr, track_memory=track)
             stop_flag = 1.0 if self.reporter and self._stop_requested() else 0.0
+            # The reporter's vote for a checkpoint.every_minutes snapshot rides on this step's all-reduce,
+            # so every rank snapshots at the same step without a collective of its own (train/snapshots.py).
+            due_flag = 1.0 if self.reporter and snapshots.due() else 0.0
             if self.sync is not None:
                 if self.sync.manager.current_step() == p.step:  # a replica failed mid-step: redo it
                     self.stream.seek(start)
                     continue
-                loss_sum, stop = (v * participants for v in self.sync.average([loss, stop_flag]))
+                loss_sum, stop, due = (v * participants for v in self.sync.average([loss, stop_flag, due_flag]))
             else:
                 # Weighted by the rows each rank took (train.balance; 1 on every rank otherwise).
-                loss_sum, stop = _all_reduce([loss * self.core.sample_weight, stop_flag], self.device)
+                loss_sum, stop, due = _all_reduce([loss * self.core.sample_weight, stop_flag, due_flag], self.device)
             p.step += 1
             # One rank per tensor-parallel group traces: its ranks read the same samples.
             self.stream.trace_step(p.step, write=self.topo.tp_rank == 0 and self.topo.pp_rank == 0)
@@ -299,17 +305,19 @@ class Worker:
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
                 p.val_loss = self.evaluate()
                 self._event("eval", step=p.step, val_loss=p.val_loss)
-            if p.step % cfg.checkpoint.every == 0 or p.step == t.steps or stop or preempted:
+            why = trigger(p.step, cfg.checkpoint.every, t.steps, timed=due >= 0.5, stop=bool(stop), preempted=preempted)
+            if why is not None:
                 if preempted:
                     self._event("preemption", step=p.step)  # snapshot now, before the node goes away
                 if self.sync is None or self.reporter:  # replicas are identical: one of them writes
-                    self.save()
+                    self.save(why)
+                snapshots.taken()
                 last_ckpt = p.step
             if stop:
                 stopped = True
                 break
         if last_ckpt != p.step and (self.sync is None or self.reporter):
-            self.save()
+            self.save(END)
         self.ckpt.close()  # an async final snapshot is on storage before the workers exit
         if self.sync is not None:
             self.sync.shutdown()

@@ -4,6 +4,8 @@ with its verdict, and a bad argument is one line with exit 2."""
 import json
 import math
 
+import pytest
+
 from cs3ray.bench import cache, ckpt, disk
 
 from conftest import run_cs3
@@ -57,8 +59,12 @@ def test_bench_cache_rounds_and_verdicts():
 def test_bench_ckpt_rounds_and_verdicts():
     r = _last_json(run_cs3(["bench", "ckpt", "--quick", "--json"], timeout=600))
     assert set(r) == set(ckpt.JSON_KEYS)
-    for name in ("sync_overhead_pct", "async_overhead_pct", "async_over_sync_overhead"):
+    for name in ("sync_overhead_pct", "async_overhead_pct", "async_over_sync_overhead", "overhead_at_15_min_pct",
+                 "sync_overhead_at_15_min_pct"):
         assert_interval(r, name, r["rounds"])
+    # At the seeds' 15 minutes: each round's blocking seconds over 900 s (sync blocks for its whole save).
+    assert r["overhead_at_15_min_pct"] == pytest.approx(100 * r["async_blocking_s"] / 900)
+    assert r["overhead_at_15_min_pct"] > 0 and r["sync_overhead_at_15_min_pct"] > 0
     assert_interval(r, "restore_memory_over_storage", 2)
     assert r["incremental_over_changed_interval"] == [r["incremental_over_changed"]] * 2  # counted, not timed
     assert len(r["restore_rounds"]["memory"]) == len(r["restore_rounds"]["storage"]) == 2

@@ -131,7 +131,7 @@ def test_no_credential_is_stored_anywhere(s3_run, ray_client):
                            skip_instance_cache=True)
     objects = fs.find(run["prefix"].removeprefix("s3://"))
     for name in ("run/config.yaml", "run/step-00000002/config.yaml", "replica/step-00000002/config.yaml",
-                 "run/events.jsonl", "run/summary.json"):
+                 "run/events/00000000.jsonl", "run/summary.json"):
         assert any(o.endswith(name) for o in objects), name
     leaked = [o for o in objects if _holds_secret(fs.cat_file(o))]
     assert not leaked, leaked

@@ -36,6 +36,8 @@ def test_small_config_has_the_promised_shape():
     ("train.seq_len=4096", "exceeds model.max_seq_len"),
     ("nodot", "must look like section.field=value"),
     ("train=3", "train=3"),
+    ("checkpoint.every_minutes=0", "checkpoint.every_minutes=0 is invalid: must be a number of minutes above 0"),
+    ("checkpoint.every_minutes=-15", "checkpoint.every_minutes=-15 is invalid: must be a number of minutes above 0"),
 ])
 def test_bad_overrides_are_one_clear_line(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -68,6 +70,15 @@ def test_every_field_is_explained():
     assert len(rows) > 30
     assert all(desc for _, _, desc in rows), [n for n, _, d in rows if not d]
     assert "train.lr" in {n for n, _, _ in rows}
+
+
+def test_piped_explain_prints_every_field_whole_on_its_own_line():
+    result = CliRunner().invoke(app, ["config", "explain"])  # its output is not a terminal
+    assert result.exit_code == 0, result.output
+    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [tuple(line) for line in lines] == explain()
+    assert ["checkpoint.every_minutes", "null"] == lines[[n for n, *_ in lines].index("checkpoint.every_minutes")][:2]
+    assert load_config(None, ["checkpoint.every_minutes=0.01"]).checkpoint.every_minutes == 0.01
 
 
 def test_cli_exits_2_with_one_line_and_no_traceback():

@@ -15,7 +15,7 @@ import torch
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.config import load_config
 from cs3ray.data.cache import TieredCache
-from cs3ray.ops.metrics import EventLog
+from cs3ray.ops.events import EventLog
 from cs3ray.ops.run_loggers import TensorBoardLogger
 from cs3ray.storage import open_url
 

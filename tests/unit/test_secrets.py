@@ -222,7 +222,7 @@ def test_values_that_only_resemble_credentials_are_kept():
 
 
 def test_a_checkpoint_and_the_event_log_hide_a_urls_password(tmp_path):
-    from cs3ray.ops.metrics import EventLog
+    from cs3ray.ops.events import EventLog
     from cs3ray.storage import open_url
 
     mgr = CheckpointManager(str(tmp_path / "run"), keep=1)
