@@ -16,7 +16,7 @@ COMMON = ["model.target=tests.helpers.dropout_model:build", "train.warmup_steps=
           "precision=fp32"]
 
 
-def test_resume_continues_the_saved_rng_streams(ray_head, tmp_path):
+def test_resume_continues_the_saved_rng_streams(ray_head, ray_client, tmp_path):
     from cs3ray.train import train
 
     def run(name: str, resume: bool = False):
