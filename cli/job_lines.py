@@ -29,6 +29,8 @@ def event_line(e: dict[str, Any]) -> str | None:
         return f"step {e.get('step')}: validation loss {_num(e.get('val_loss'), 4)}"
     if kind == "checkpoint":
         return f"checkpoint step {e.get('step')} -> {e.get('url')} ({_num(e.get('seconds'), 1)}s)"
+    if kind == "restart":
+        return f"restart {e.get('attempt')}: {e.get('cause')}"
     if kind == "restored":
         return f"resumed from step {e.get('step')}"
     if kind == "stopping":

@@ -55,6 +55,8 @@ class TrainProgress:
             self.bar.console.print(f"checkpoint step {e['step']} -> {e['url']} ({e['seconds']:.1f}s)")
         elif kind == "stopping":
             self.bar.console.print("stopping: taking a checkpoint (Ctrl-C again to abort)")
+        elif kind == "restart":
+            self.bar.console.print(f"restart {e['attempt']}: {e['cause']}", highlight=False)
         elif kind == "restored":
             self.bar.console.print(f"resumed from step {e['step']}")
 

@@ -157,7 +157,7 @@ def figures(record: RunRecord) -> dict[str, Any]:
         "tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"),
         "tokens_seen": s.get("tokens_seen", progress[-1].get("tokens_seen") if progress else None),
         "checkpoints": len(record.checkpoints), "newest_checkpoint": record.checkpoint_url(),
-        "restores": len(record.of("restored")), "wall_s": s.get("wall_s"),
+        "restores": len(record.of("restored")), "restarts": len(record.of("restart")), "wall_s": s.get("wall_s"),
     }
 
 
@@ -183,6 +183,10 @@ def markdown(record: RunRecord, report: Report) -> str:
               ""]
     for name, title in report.plots.items():
         lines += [f"### {title}", "", f"![{title}]({name})", ""]
+    restarts = record.of("restart")
+    if restarts:
+        lines += ["## Restarts", ""] + [f"- restart {e.get('attempt')}, training again from step {e.get('step')}: "
+                                        f"{e.get('cause')}" for e in restarts] + [""]
     if report.skipped:
         lines += ["## Not plotted", ""] + [f"- {name}: {why}." for name, why in report.skipped.items()] + [""]
     return "\n".join(lines)

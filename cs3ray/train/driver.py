@@ -173,6 +173,7 @@ def summarize(cfg: JobConfig, run: Storage, events: list[dict], wall_s: float, r
         "final_val_loss": end.get("val_loss"), "tokens_per_s": round(tps, 1),
         "tokens_seen": end.get("tokens_seen", 0), "workers": start.get("workers", cfg.cluster.max_workers),
         "restarts": sum(1 for e in events if e["event"] == "restored") - (1 if resumed else 0),
+        "restart_causes": [e["cause"] for e in events if e["event"] == "restart"],
         # Fault-tolerant replicas: workers Ray Train replaced while the others went on.
         "replaced_workers": max(0, sum(1 for e in events if e["event"] == "worker") - start.get("workers", 0)),
         "precision": start.get("precision", cfg.precision), "strategy": cfg.parallel.strategy, "stopped_early": end.get("stopped", False),

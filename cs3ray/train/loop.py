@@ -33,6 +33,7 @@ from cs3ray.storage import open_url
 from .balance import Balancer
 from .elastic import plan_batch
 from .replicas import ReplicaSync, load_in_place
+from .restarts import failure_event
 from .snapshots import END, STEPS, SnapshotClock, trigger
 
 # Step times a process keeps for its end event (`step_s`): enough to find a run's steady state.
@@ -413,5 +414,24 @@ class Worker:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: `config` carries the job, the run URL and the monitor handle."""
     cfg = build_config(config["job"])
-    worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"), config.get("val_rows"))
-    worker.run()
+    worker: Worker | None = None
+    try:
+        worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"), config.get("val_rows"))
+        worker.run()
+    except BaseException as exc:
+        _report_failure(config.get("monitor"), worker, exc)
+        raise
+
+
+def _report_failure(monitor: Any, worker: "Worker | None", exc: BaseException) -> None:
+    """Tell the run's monitor why this worker fails (the restart's cause), waiting briefly: the process may end."""
+    import ray
+
+    if monitor is None:
+        return
+    try:
+        rank = ray.train.get_context().get_world_rank()
+        step = worker.progress.step if worker is not None else None
+        ray.get(monitor.record.remote(failure_event(rank, step, exc)), timeout=5)
+    except Exception:  # noqa: BLE001 - the failure itself is what Ray Train reports; this is only its cause
+        pass

@@ -6,6 +6,8 @@ from typing import Any
 
 import ray
 
+from .restarts import RestartExplainer
+
 
 @ray.remote(num_cpus=0)
 class RunMonitor:
@@ -14,8 +16,12 @@ class RunMonitor:
     def __init__(self) -> None:
         self._events: list[dict[str, Any]] = []
         self._stop = False
+        self._restarts = RestartExplainer()
 
     def record(self, event: dict[str, Any]) -> None:
+        restart = self._restarts.before(event)  # a restarted group's start: first say why it restarted
+        if restart is not None:
+            self._events.append(restart)
         self._events.append(event)
 
     def events_since(self, index: int) -> list[dict[str, Any]]:

@@ -9,6 +9,9 @@ from pathlib import Path
 import numpy as np
 
 PIDS = Path(tempfile.gettempdir()) / "cs3-test-transform-pids"
+FAILED_ONCE = Path(tempfile.gettempdir()) / "cs3-test-transform-failed-once"  # the test removes it first
+FAIL_AT = 6  # the batch of a process at which fail_once raises
+_calls = [0]
 
 
 def _mark() -> None:
@@ -30,3 +33,13 @@ def shift(batch: dict) -> dict:
 
 def wrong_shape(batch: dict) -> dict:
     return {"tokens": np.asarray(batch["tokens"])[:, :-1]}
+
+
+def fail_once(batch: dict) -> dict:
+    """The identity, except that the FAIL_AT-th batch of the first process to reach it raises (a worker error
+    the restarted group does not meet again: FAILED_ONCE marks that it happened)."""
+    _calls[0] += 1
+    if _calls[0] == FAIL_AT and not FAILED_ONCE.exists():
+        FAILED_ONCE.touch()
+        raise RuntimeError(f"injected failure in data.transform at batch {FAIL_AT}")
+    return batch

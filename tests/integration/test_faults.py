@@ -48,6 +48,9 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 14 and summary["restarts"] == 1 and summary["workers"] == 2
+    from cs3ray.train.restarts import DIED
+
+    assert summary["restart_causes"] == [DIED]  # a SIGKILL leaves no error to report
     restored = [e for e in _events(log) if e["event"] == "restored"]
     assert len(restored) == 1 and 4 <= restored[0]["step"] <= killed_at + 2
     assert (run_dir / "step-00000014" / "manifest.json").exists()
@@ -132,3 +135,31 @@ def test_s3_outage_mid_save_and_mid_restore_is_retried_then_a_lasting_one_fails_
     finally:
         proxy.down = False
         proxy.stop()
+
+
+@pytest.mark.slow
+def test_a_worker_error_restarts_the_group_and_says_why(ray_head, tmp_path):
+    from helpers.transforms import FAIL_AT, FAILED_ONCE
+
+    FAILED_ONCE.unlink(missing_ok=True)
+    run_dir = tmp_path / "failing"
+    try:
+        proc = subprocess.run(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=8",
+                               "train.log_every=1", "train.eval_every=100", "checkpoint.every=2", "cluster.workers=1",
+                               "cluster.max_failures=1", "train.batch_size=8", "precision=fp32",
+                               "data.transform=tests.helpers.transforms:fail_once", "--address", ray_head.address],
+                              cwd=ROOT, env=ray_head.env(), capture_output=True, text=True, timeout=400)
+    finally:
+        FAILED_ONCE.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cause = f"worker 0 failed at step {FAIL_AT - 1}: RuntimeError: injected failure in data.transform at batch {FAIL_AT}"
+    # One line on the console, the event in the log, the summary and the report.
+    assert f"restart 1: {cause}" in " ".join(proc.stderr.split()), proc.stderr[-3000:]  # as the console wraps it
+    restarts = [e for e in _events(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [(e["attempt"], e["cause"]) for e in restarts] == [(1, cause)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restart_causes"] == [cause] and summary["steps"] == 8
+    report = subprocess.run(["cs3", "report", str(run_dir), "--out", str(tmp_path / "report")], cwd=ROOT,
+                            env=ray_head.env(), capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert cause in (tmp_path / "report" / "report.md").read_text()

@@ -1,0 +1,53 @@
+"""Why the worker group restarted: each restart gets a `restart` event naming its cause.
+
+A worker that fails reports its error to the run's monitor before its exception reaches Ray Train
+(`failure` events); when the restarted group starts, the monitor puts a `restart` event before its
+`start` with the last failure's error, or, when none was reported, what else ends a group: a
+resize to another worker count, or a process that died without a word (SIGKILL, the OOM killer, a
+lost node).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+DIED = "a worker process died without reporting an error (killed, out of memory, or its node was lost)"
+
+
+def failure_event(rank: int, step: int | None, exc: BaseException) -> dict[str, Any]:
+    """What a failing worker reports: its rank, the step it was at, its error in one line."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return {"event": "failure", "wall": time.time(), "rank": rank, "step": step,
+            "error": f"{type(exc).__name__}: {text}" if text else type(exc).__name__}
+
+
+class RestartExplainer:
+    """Fed every event in order; returns the `restart` event to record before a restarted group's start."""
+
+    def __init__(self) -> None:
+        self.starts = 0
+        self.workers: int | None = None
+        self.failure: dict[str, Any] | None = None
+
+    def before(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        kind = event.get("event")
+        if kind == "failure":
+            self.failure = self.failure or event  # the first error of an attempt is its cause
+            return None
+        if kind != "start":
+            return None
+        self.starts += 1
+        previous, self.workers = self.workers, event.get("workers")
+        failure, self.failure = self.failure, None
+        if self.starts == 1:
+            return None
+        if failure is not None:
+            where = f" at step {failure['step']}" if failure.get("step") is not None else ""
+            cause = f"worker {failure['rank']} failed{where}: {failure['error']}"
+        elif previous is not None and event.get("workers") != previous:
+            cause = f"the worker group was resized from {previous} to {event.get('workers')} workers"
+        else:
+            cause = DIED
+        return {"event": "restart", "wall": event.get("wall", time.time()), "attempt": self.starts - 1,
+                "step": event.get("step"), "cause": cause}
