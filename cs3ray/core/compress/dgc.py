@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fake import host_float
+
 
 @dataclass(frozen=True)
 class DgcSettings:
@@ -50,8 +52,9 @@ def clip_local(flat: torch.Tensor, clip_norm: float, world: int, scale: float = 
     if clip_norm <= 0:
         return 1.0
     bound = scale * clip_norm / math.sqrt(world)
-    norm = float(torch.linalg.vector_norm(flat.detach().float()))
-    if not math.isfinite(norm) or norm <= bound:  # an overflowed fp16 step is skipped by the scaler anyway
+    # nan for a rehearsal's fake tensors: no clipping there, as for an overflowed fp16 step (skipped anyway).
+    norm = host_float(torch.linalg.vector_norm(flat.detach().float()))
+    if not math.isfinite(norm) or norm <= bound:
         return 1.0
     factor = bound / norm
     flat.mul_(factor)
