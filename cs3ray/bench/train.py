@@ -21,6 +21,7 @@ stage's time went (computing, sends and receives, the rest).
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -75,11 +76,21 @@ def bubble_theoretical(stages: int, microbatches: int, virtual: int = 1) -> floa
 
 
 def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[str, Any]:
-    """A cs3ray run's summary plus `step_s`, every step's seconds on the first worker (its end event)."""
+    """A cs3ray run's summary plus `step_s`, every step's seconds on the first worker (its end event), and
+    `steady_tokens_per_s`, its log windows' tokens over their time."""
     cfg = load_config(cfg_path, overrides + [f"run.dir={os.path.join(root, name)}", f"run.name={name}"])
     events: list[dict] = []
     summary = train(cfg, overwrite=True, quiet=True, on_event=events.append)
     summary["step_s"] = next(e for e in reversed(events) if e["event"] == "end")["step_s"]
+    # Tokens over time of the log windows after the first, less the one whose step was measured for memory
+    # (bench data's rate, from windows: it runs too few steps for the steady rule).
+    progress = [e for e in events if e["event"] == "progress"]
+    tokens = seconds = 0.0
+    for before, window in itertools.pairwise(progress):
+        if not window.get("memory_tracked"):
+            n = window["tokens_seen"] - before["tokens_seen"]
+            tokens, seconds = tokens + n, seconds + n / window["tokens_per_s"]
+    summary["steady_tokens_per_s"] = tokens / seconds if seconds else summary["tokens_per_s"]
     return summary
 
 
