@@ -325,7 +325,9 @@ def rehearse(cfg: JobConfig, workers: int, steps: int = 2, device_check: bool = 
             if core.compression is not None:
                 reduce = core.compression.reduce
                 reduce.inline = True  # fake mode and the observers are this thread's
-                core.compression.steps = cfg.compression.warmup_steps  # rehearse a compressed step
+                # Rehearse a steady compressed step: past the fp32 warm-up and DGC's falling density.
+                dgc = getattr(core.compression, "dgc", None)
+                core.compression.steps = cfg.compression.warmup_steps + (dgc.warmup_steps if dgc else 0)
                 # Measured in the steady state: DDP's first sync is fp32, the second makes the residuals,
                 # the third (fp16) their spare buffers.
                 steps = max(steps, 4)
