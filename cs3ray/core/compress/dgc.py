@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fake import host_float
+from .keyed import KeyedBuffers
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def clip_local(flat: torch.Tensor, clip_norm: float, world: int, scale: float = 
     return factor
 
 
-class MomentumCorrection:
+class MomentumCorrection(KeyedBuffers):
     """Local velocities keyed like the error-feedback residuals: u = m u + g, masked where sent.
 
     Transactional (fp16): a step's velocities are written beside the committed ones and become them
@@ -69,18 +70,16 @@ class MomentumCorrection:
     """
 
     def __init__(self, momentum: float, masking: bool = True, transactional: bool = False) -> None:
-        self.momentum, self.masking, self.transactional = momentum, masking, transactional
-        self.scale = 1.0
-        self.velocities: dict[Hashable, torch.Tensor] = {}
-        self.pending: dict[Hashable, torch.Tensor] = {}
-        self.used: set[Hashable] = set()
+        super().__init__(transactional)
+        self.momentum, self.masking = momentum, masking
 
-    def set_scale(self, scale: float) -> None:
-        """The loss scale of the next gradients: velocities are brought to its units (powers of two: exact)."""
-        if scale != self.scale:
-            for u in self.velocities.values():
-                u.mul_(scale / self.scale)
-            self.scale = scale
+    @property
+    def velocities(self) -> dict[Hashable, torch.Tensor]:
+        return self.committed
+
+    @velocities.setter
+    def velocities(self, value: dict[Hashable, torch.Tensor]) -> None:
+        self.committed = value
 
     def _current(self, key: Hashable) -> torch.Tensor | None:
         """This step's velocity of `key` once `accumulate` has run (pending under fp16)."""
@@ -129,34 +128,3 @@ class MomentumCorrection:
         u = self._current(key)
         if u is not None and self.masking:
             u[offset:offset + length].zero_()
-
-    def commit(self) -> None:
-        """The step is applied: its velocities become the velocities; those it did not use are dropped."""
-        if not self.used:
-            return  # an uncompressed step keeps what it has
-        if self.transactional:
-            for key in self.used:
-                old = self.velocities.get(key)
-                self.velocities[key] = self.pending.pop(key)
-                if old is not None and old.numel() == self.velocities[key].numel():
-                    self.pending[key] = old  # the next step writes into it
-        for key in [k for k in self.velocities if k not in self.used]:
-            del self.velocities[key]
-        for key in [k for k in self.pending if k not in self.velocities]:
-            del self.pending[key]
-        self.used.clear()
-
-    def rollback(self) -> None:
-        """The step is skipped: the committed velocities stay (transactional; otherwise already updated)."""
-        self.used.clear()
-
-    def nbytes(self) -> int:
-        """Bytes the velocities hold (with their transactional spares)."""
-        return sum(u.numel() * u.element_size() for d in (self.velocities, self.pending) for u in d.values())
-
-    def reset(self) -> None:
-        """Forget every velocity."""
-        self.velocities.clear()
-        self.pending.clear()
-        self.used.clear()
-        self.scale = 1.0

@@ -14,9 +14,10 @@ import torch
 
 from ..fake import host_bool
 from .codec import Codec
+from .keyed import KeyedBuffers
 
 
-class ErrorFeedback:
+class ErrorFeedback(KeyedBuffers):
     """Residuals keyed by a caller's name for each tensor (a DDP bucket, a chunk a rank reduces).
 
     Residuals are kept in the units of `scale`, the loss scale of the gradients being encoded, and
@@ -28,19 +29,16 @@ class ErrorFeedback:
     """
 
     def __init__(self, enabled: bool = True, transactional: bool = False) -> None:
+        super().__init__(transactional)
         self.enabled = enabled
-        self.transactional = transactional
-        self.scale = 1.0
-        self.residuals: dict[Hashable, torch.Tensor] = {}
-        self.pending: dict[Hashable, torch.Tensor] = {}  # transactional: this step's residuals, or spare buffers
-        self.used: set[Hashable] = set()  # keys encoded since the last commit or rollback
 
-    def set_scale(self, scale: float) -> None:
-        """The loss scale of the next gradients: residuals are brought to its units."""
-        if scale != self.scale:
-            for r in self.residuals.values():
-                r.mul_(scale / self.scale)
-            self.scale = scale
+    @property
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        return self.committed
+
+    @residuals.setter
+    def residuals(self, value: dict[Hashable, torch.Tensor]) -> None:
+        self.committed = value
 
     def _target(self, key: Hashable, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the buffer this step's residual of `key` is written to, the residual it starts from: None if
@@ -90,36 +88,3 @@ class ErrorFeedback:
         if not self.transactional and not host_bool(torch.isfinite(piece.sum()), fake=True):
             piece.zero_()
         return payload, sent
-
-    def commit(self) -> None:
-        """The step is applied: its residuals become the residuals, and those no encode of a compressed
-        step used (a checkpoint's from another bucket layout, FSDP modules that are gone) are dropped."""
-        if not self.used:
-            return  # an uncompressed step (warm-up, DDP's first sync) keeps what it has
-        if self.transactional:
-            for key in self.used:
-                old = self.residuals.get(key)
-                self.residuals[key] = self.pending.pop(key)
-                if old is not None:
-                    self.pending[key] = old  # the next step writes into it
-        for key in [k for k in self.residuals if k not in self.used]:
-            del self.residuals[key]
-        for key in [k for k in self.pending if k not in self.residuals]:
-            del self.pending[key]
-        self.used.clear()
-
-    def rollback(self) -> None:
-        """The step is skipped: every residual stays as it was before it (transactional; otherwise the
-        encodes have already updated them)."""
-        self.used.clear()
-
-    def nbytes(self) -> int:
-        """Bytes the residuals hold (with their transactional spares)."""
-        return sum(r.numel() * r.element_size() for d in (self.residuals, self.pending) for r in d.values())
-
-    def reset(self) -> None:
-        """Forget every residual."""
-        self.residuals.clear()
-        self.pending.clear()
-        self.used.clear()
-        self.scale = 1.0
