@@ -20,7 +20,7 @@ EOS = 257
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_training_on_a_gpu_with_nccl(ray_head, tmp_path, precision, strategy):
     run_dir = tmp_path / "run"
     proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"precision={precision}",
@@ -35,7 +35,7 @@ def test_training_on_a_gpu_with_nccl(ray_head, tmp_path, precision, strategy):
     assert (run_dir / "step-00000008" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_engine_batches_on_cuda_as_it_generates_alone(dtype):
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"]).eval().to(device="cuda", dtype=dtype)

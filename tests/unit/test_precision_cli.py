@@ -66,12 +66,13 @@ def test_an_unknown_dtype_is_one_sentence_and_exit_2(run, command):
     assert len(res.output.strip().splitlines()) == 1
 
 
-def test_generate_runs_where_device_says_and_refuses_a_missing_gpu(run, monkeypatch):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_generate_runs_where_device_says_and_refuses_a_missing_gpu(run, precision, monkeypatch):
     seen = []
     real = generate_cmd.generate_text
     monkeypatch.setattr(generate_cmd, "generate_text",
                         lambda model, *rest: (seen.append(next(model.parameters()).device.type), real(model, *rest))[1])
-    args = ["generate", str(run), "--prompt", "def ", "--max-tokens", "4", "--temperature", "0"]
+    args = ["generate", str(run), "--prompt", "def ", "--max-tokens", "4", "--temperature", "0", "--dtype", precision]
     for device in ("cpu", "auto"):
         res = CliRunner().invoke(app, args + ["--device", device])
         assert res.exit_code == 0, res.output
