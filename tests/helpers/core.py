@@ -83,3 +83,22 @@ def run_distributed(jobs: list[tuple], batches, world: int = 2) -> dict[str, dic
         if "error" in r:
             raise AssertionError(r["error"])
     return {"rank0": results[0], "rank1": results.get(1, {})}
+
+
+def steps_with_an_overflow(core: ComputeCore, rank: int, snapshot) -> tuple[list[bool], list[Any]]:
+    """Four steps of 8-row global batches split over 2 ranks, rank 1's third step overflowing (its logits'
+    gradient made inf); (whether each step was applied, `snapshot()` after each)."""
+    applied, snapshots = [], []
+    for i, gb in enumerate(global_batches(4, rows=8)):
+        local = gb[rank * 4:(rank + 1) * 4]
+        hook = None
+        if i == 2 and rank == 1:
+            def overflow(_module, _inputs, out):
+                out.register_hook(lambda g: torch.full_like(g, float("inf")))
+            hook = core.model.register_forward_hook(overflow)
+        _, ok = core.step(lambda rows=local: rows, lr=1e-2)
+        if hook is not None:
+            hook.remove()
+        applied.append(ok)
+        snapshots.append(snapshot())
+    return applied, snapshots

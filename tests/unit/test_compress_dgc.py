@@ -16,7 +16,7 @@ from cs3ray.core.compress.dgc import DgcSettings, MomentumCorrection, clip_local
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 
-from helpers.core import MODEL, global_batches
+from helpers.core import MODEL, steps_with_an_overflow
 from helpers.ranks import gloo_ranks
 
 
@@ -123,20 +123,9 @@ def _fp16_dgc(rank: int, world: int, results: dict, strategy: str) -> None:
                                      "compression.warmup_steps=0", "compression.dgc.momentum=0.9",
                                      f"parallel.strategy={strategy}"])
     core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0",) * world))
-    snapshots, applied = [], []
-    for i, gb in enumerate(global_batches(4, rows=8)):
-        local = gb[rank * 4:(rank + 1) * 4]
-        hook = None
-        if i == 2 and rank == 1:
-            def overflow(_module, _inputs, out):
-                out.register_hook(lambda g: torch.full_like(g, float("inf")))
-            hook = core.model.register_forward_hook(overflow)
-        _, ok = core.step(lambda rows=local: rows, lr=1e-2)
-        if hook is not None:
-            hook.remove()
-        applied.append(ok)
-        mc = core.compression.momentum
-        snapshots.append({str(k): (v / mc.scale).numpy().copy() for k, v in mc.velocities.items()})
+    mc = core.compression.momentum
+    applied, snapshots = steps_with_an_overflow(
+        core, rank, lambda: {str(k): (v / mc.scale).numpy().copy() for k, v in mc.velocities.items()})
     state = core.compression_state()
     core.load_compression_state(state, step=4)
     restored = core.compression.momentum.velocities

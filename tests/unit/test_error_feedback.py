@@ -17,7 +17,7 @@ from cs3ray.core.compress.feedback import ErrorFeedback
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import Topology
 
-from helpers.core import MODEL, global_batches
+from helpers.core import MODEL, steps_with_an_overflow
 from helpers.ranks import gloo_ranks
 
 CODECS = ["int8", "int4_sparse"]
@@ -113,21 +113,9 @@ def _overflow_run(rank: int, world: int, results: dict, strategy: str) -> None:
     core = ComputeCore(cfg, torch.device("cpu"), Topology(rank, world, 1, ("n0",) * world))
     if strategy == "fsdp":  # a residual of a module that no longer exists (an older checkpoint's)
         core.compression.reduce.feedback.residuals["gone"] = torch.ones(8)
-    batches = global_batches(4, rows=8)
-    snapshots, applied = [], []
-    for i, gb in enumerate(batches):
-        local = gb[rank * 4:(rank + 1) * 4]
-        hook = None
-        if i == 2 and rank == 1:
-            def overflow(_module, _inputs, out):
-                out.register_hook(lambda g: torch.full_like(g, float("inf")))
-            hook = core.model.register_forward_hook(overflow)
-        _, ok = core.step(lambda rows=local: rows, lr=1e-2)
-        if hook is not None:
-            hook.remove()
-        applied.append(ok)
-        fb = core.compression.reduce.feedback
-        snapshots.append({str(k): (v / fb.scale).numpy().copy() for k, v in fb.residuals.items()})
+    fb = core.compression.reduce.feedback
+    applied, snapshots = steps_with_an_overflow(
+        core, rank, lambda: {str(k): (v / fb.scale).numpy().copy() for k, v in fb.residuals.items()})
     results.update(applied=applied, snapshots=snapshots, scale=core.scaler.scale)
     core.compression.reduce.close()
 
