@@ -116,7 +116,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
                            "address, host:port (as `ray start --head` printed it).")
     embedded = address is None
     logging_config = ray_logging_config(log_format)
-    root_handlers = list(logging.getLogger().handlers)  # ray.init adds one with a logging_config
+    before = list(logging.getLogger().handlers)
     try:
         if embedded:
             export_cluster_env(serving)  # Serve's proxy, should this cluster serve a model, reads it at start
@@ -140,10 +140,11 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
         where = f"the Ray cluster at '{address}'" if address else "an embedded Ray cluster"
         raise ClusterError(f"cannot connect to {where}: {first}. "
                            "Check --address / RAY_ADDRESS, or start one with `ray start --head`.") from None
+    # ray.init adds a root handler with a logging_config: a second run in this process would log each line twice.
+    added = [h for h in logging.getLogger().handlers if h not in before]
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
-        for handler in list(logging.getLogger().handlers):
-            if handler not in root_handlers:  # a second run in this process would log each line twice
-                logging.getLogger().removeHandler(handler)
+        for handler in added:
+            logging.getLogger().removeHandler(handler)
