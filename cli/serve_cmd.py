@@ -56,6 +56,9 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           dtype: Optional[str] = typer.Option(None, help="Inference precision: auto, bf16, fp16 or fp32."),
           max_batch: Optional[int] = typer.Option(None, min=1, help="Sequences batched together (1: no batching)."),
           follow: bool = typer.Option(False, "--follow", help="Hot-reload newer checkpoints of RUN as training writes them."),
+          log_format: Optional[str] = typer.Option(None, "--log-format", help="Replica logs: text or json (one JSON "
+                                                                               "object per line; default: the run's "
+                                                                               "run.log_format)."),
           detach: bool = typer.Option(False, "--detach", help="Leave the app running on the remote cluster and exit."),
           ckpt_replica: Optional[list[str]] = ReplicaOpt, use_stored_replicas: bool = StoredReplicasOpt,
           address: Optional[str] = AddressOpt,
@@ -75,7 +78,7 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
                      overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch,
                                 "tls_cert": tls_cert, "tls_key": tls_key},
                      storage_options=runtime_storage_options(storage or [], storage_options),
-                     ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas)
+                     ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas, log_format=log_format)
     if spec.serve.tls_cert:
         check_tls_ingress()  # before a cluster starts
 

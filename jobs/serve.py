@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32")
     parser.add_argument("--follow", action="store_true", help="hot-reload newer checkpoints of RUN")
     parser.add_argument("--max-batch", type=int, default=None, help="sequences batched together (1: no batching)")
+    parser.add_argument("--log-format", choices=["text", "json"], default=None,
+                        help="replica logs: text or json (default: the run's run.log_format)")
     # The environment variable keeps the token out of the job's entrypoint, which Ray shows and logs.
     parser.add_argument("--token", default=os.environ.get("CS3_SERVE_TOKEN"),
                         help="require 'Authorization: Bearer TOKEN' on the API (default: $CS3_SERVE_TOKEN)")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "target_ongoing_requests": args.target_ongoing_requests,
                                     "tls_cert": args.tls_cert, "tls_key": args.tls_key},
                          storage_options=runtime_storage_options(args.storage, args.storage_options),
-                         ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas)
+                         ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas,
+                         log_format=args.log_format)
         run_app(spec, args.host, args.port, address=os.environ.get("RAY_ADDRESS", "auto"),
                 on_ready=lambda url: print(f"serving {spec.name} at {url}/v1", flush=True))
     except UserError as exc:

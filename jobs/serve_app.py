@@ -11,6 +11,7 @@ which a builder cannot change.
 # builder's annotation is the class itself, not a string.
 import os
 import sys
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -37,6 +38,7 @@ class ServeAppArgs(BaseModel):
     storage_options: dict | None = None  # non-secret fsspec options; credentials from the nodes' environment
     insecure: bool = False
     trust_code: bool = False
+    log_format: Literal["text", "json"] | None = None  # replica logs (default: the run's run.log_format)
 
 
 def app(args: ServeAppArgs):
@@ -48,5 +50,5 @@ def app(args: ServeAppArgs):
                      overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
                                 "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
                                 "target_ongoing_requests": args.target_ongoing_requests},
-                     storage_options=args.storage_options)
+                     storage_options=args.storage_options, log_format=args.log_format)
     return build_app(spec)

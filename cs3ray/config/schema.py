@@ -312,6 +312,10 @@ class RunConfig(Section):
                     "tensorboardX as Ray's TensorBoard logger does) and/or MLflow (MLflow's own MLFLOW_TRACKING_URI "
                     "and credentials from the environment); each needs its package installed.")
     mlflow_experiment: str = Field("cs3ray", min_length=1, description="MLflow experiment the run is logged under.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Logs of the driver, workers and Serve replicas: 'text' as Ray writes them, or 'json': "
+                            "one JSON object per line (timestamp, level, run, job_id, node, rank, step, message) in "
+                            "Ray's logs folder, logs/cs3/ and logs/serve/, for Elasticsearch/OpenSearch (deploy/logging/).")
 
     @field_validator("name")
     @classmethod

@@ -13,6 +13,7 @@ from cs3ray.errors import UserError
 
 from .cluster_env import export_cluster_env
 from .cluster_record import recorded_cluster
+from .json_logs import ray_logging_config
 from .ray_auth import ensure_token, join_with_token, use_token_auth
 from .watchdog import watched_cluster
 
@@ -86,11 +87,14 @@ def default_num_cpus(workers: int, cpus_per_worker: float) -> int:
 
 @contextlib.contextmanager
 def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: bool = False,
-                serving: bool = False, use_recorded: bool = True) -> Iterator[str]:
+                serving: bool = False, use_recorded: bool = True, log_format: str = "text") -> Iterator[str]:
     """Yield the address of a connected Ray cluster; an embedded one is shut down on exit.
     serving: an embedded cluster started to serve a model (its workers run at nice 0, see cluster_env).
     use_recorded: without an address, join the cluster `cs3 up` started (False: benchmarks, which compare
-    on a cluster of their own)."""
+    on a cluster of their own).
+    log_format: 'json' makes Ray's logging of this job's processes JSON (run.log_format; ops.json_logs)."""
+    import logging
+
     import ray
     from ray.exceptions import AuthenticationError
 
@@ -111,6 +115,8 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
         raise ClusterError(f"'{address}' is a dashboard URL; this command joins the cluster itself and needs its "
                            "address, host:port (as `ray start --head` printed it).")
     embedded = address is None
+    logging_config = ray_logging_config(log_format)
+    before = list(logging.getLogger().handlers)
     try:
         if embedded:
             export_cluster_env(serving)  # Serve's proxy, should this cluster serve a model, reads it at start
@@ -120,19 +126,25 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, quiet: 
             # address="local": always a new cluster, even when `ray start` left one running here.
             with loopback_node(), watched_cluster():  # nothing of it outlives this process
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet,
-                         configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO")
+                         configure_logging=not quiet, logging_level="ERROR" if quiet else "INFO",
+                         logging_config=logging_config)
         else:
             probe(address)
             join_with_token()
             # Ray would turn a loopback address into the machine's own, where a loopback cluster is not.
             with loopback_node() if _is_loopback(address) else contextlib.nullcontext():
-                ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO")
+                ray.init(address=address, log_to_driver=not quiet, logging_level="ERROR" if quiet else "INFO",
+                         logging_config=logging_config)
     except (ConnectionError, TimeoutError, ValueError, RuntimeError, AuthenticationError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"the Ray cluster at '{address}'" if address else "an embedded Ray cluster"
         raise ClusterError(f"cannot connect to {where}: {first}. "
                            "Check --address / RAY_ADDRESS, or start one with `ray start --head`.") from None
+    # ray.init adds a root handler with a logging_config: a second run in this process would log each line twice.
+    added = [h for h in logging.getLogger().handlers if h not in before]
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        for handler in added:
+            logging.getLogger().removeHandler(handler)

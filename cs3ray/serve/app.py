@@ -20,6 +20,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cs3ray.ckpt import load_for_inference
+from cs3ray.ops.json_logs import replica_logs, run_log, set_step
 
 from .auth import check_bearer
 from .engine import EngineOptions, Metrics, QueueFull
@@ -110,6 +111,8 @@ class LLMServer:
 
     def __init__(self, spec: ServeSpec) -> None:
         self.spec = spec
+        if spec.log_format == "json":
+            replica_logs(spec.run_name or spec.name, 0)
         device = "cuda" if spec.serve.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.dtype = spec.dtype(device)
         loaded = load_replica(spec, device)
@@ -118,6 +121,9 @@ class LLMServer:
         self.max_prompt_chars = spec.serve.max_prompt_chars or prompt_char_limit(self.context,
                                                                                  loaded.tokenizer.token_bytes())
         self.fingerprint = f"step-{loaded.step}"
+        set_step(loaded.step)
+        run_log.info("replica serves step %d as '%s' (%s on %s)", loaded.step, spec.name,
+                     str(self.dtype).removeprefix("torch."), device)
         self.engine = start_engine(loaded.model, loaded.tokenizer.eos_id, spec.engine_options(), RayMetrics(),
                                    loaded.tokenizer.token_bytes())
         self.follower = (Follower(spec, loaded.url, self._swap, device, self.dtype, loaded.tokenizer)
@@ -132,6 +138,8 @@ class LLMServer:
     def _swap(self, model: torch.nn.Module, step: int) -> None:
         self.engine.swap_model(model)
         self.fingerprint = f"step-{step}"
+        set_step(step)
+        run_log.info("replica now serves step %d", step)
 
     def __del__(self) -> None:
         if self.follower is not None:

@@ -19,6 +19,7 @@ from cs3ray.config import resolve_run, stored_config
 from cs3ray.errors import UserError
 from cs3ray.models.factory import require_trust
 from cs3ray.ops.cluster_env import HAPROXY_SWITCH
+from cs3ray.ops.json_logs import serve_logging_config
 from cs3ray.storage import is_remote, open_url
 
 from .spec import ServeSpec
@@ -92,9 +93,12 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
               overrides: dict[str, Any] | None = None, storage_options: dict | None = None,
               route_prefix: str = "/", host: str = "127.0.0.1", insecure: bool = False,
               trust_code: bool = False, ckpt_replicas: list[str] | None = None,
-              stored_replicas: bool = False) -> ServeSpec:
+              stored_replicas: bool = False, log_format: str | None = None) -> ServeSpec:
     """What `cs3 serve` and jobs/serve.py share before any Ray: refuse an open API on a non-loopback
-    `host`, check the checkpoint is there and read its serve section (the command's values on top)."""
+    `host`, check the checkpoint is there and read its serve section (the command's values on top).
+    log_format: 'text' or 'json' replica logs; by default the run.log_format the checkpoint was trained with."""
+    if log_format not in (None, "text", "json"):
+        raise UserError(f"--log-format must be text or json, not '{log_format}'.")
     if token is not None and not token.strip():
         raise UserError("--token is empty; give a non-empty token or leave the option out.")
     check_exposure(host, token, insecure)
@@ -118,7 +122,8 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
     name = name or cfg.run.name
     return ServeSpec(run=url, name=name, serve=serve_cfg, token=token, follow=follow,
                      storage_options=storage_options, route_prefix=route_prefix, insecure=insecure,
-                     trust_code=trust_code, ckpt_replicas=list(ckpt_replicas or []), stored_replicas=stored_replicas)
+                     trust_code=trust_code, ckpt_replicas=list(ckpt_replicas or []), stored_replicas=stored_replicas,
+                     log_format=log_format or cfg.run.log_format, run_name=cfg.run.name)
 
 
 def build_app(spec: ServeSpec):
@@ -142,6 +147,8 @@ def build_app(spec: ServeSpec):
                                          **spec.autoscaling_options}
     else:
         options["num_replicas"] = s.replicas
+    if (logging_config := serve_logging_config(spec.log_format)) is not None:
+        options["logging_config"] = logging_config  # Serve's replica files in JSON (ops.json_logs)
     return LLMServer.options(name=f"{spec.name}-llm", **options).bind(spec)
 
 

@@ -35,6 +35,8 @@ class ServeSpec:
     # Streamed chunks per second a replica sends in all (see pump.Pacer): under load each
     # stream's chunks come further apart than serve.stream_interval_ms and carry more tokens.
     stream_events_per_s: float = 1000.0
+    log_format: str = "text"  # run.log_format of the checkpoint's config, or the command's: 'json' for JSON replica logs
+    run_name: str | None = None  # run.name of the checkpoint's config: the `run` field of JSON logs
 
     def engine_options(self) -> EngineOptions:
         s = self.serve

@@ -21,6 +21,7 @@ from cs3ray.errors import UserError
 from cs3ray.models import check_same, load_tokenizer, tokenizer_from_json
 from cs3ray.ops.cluster import default_num_cpus, ray_cluster
 from cs3ray.ops.events import EventLog
+from cs3ray.ops.json_logs import event_message, process_logs, run_log
 from cs3ray.ops.metrics import RunMetrics
 from cs3ray.ops.run_loggers import RunLogger, check_loggers, close_loggers, observe_all, open_loggers
 from cs3ray.storage import Storage, StorageError, open_url
@@ -244,7 +245,8 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
     num_cpus = cfg.cluster.num_cpus or default_num_cpus(cfg.cluster.max_workers, cfg.cluster.cpus_per_worker)
     # Connect first: an unreachable cluster fails in seconds and leaves the run directory
     # empty (not "taken"), before any data is prepared or config written.
-    with ray_cluster(address, num_cpus=num_cpus, quiet=quiet):
+    with ray_cluster(address, num_cpus=num_cpus, quiet=quiet, log_format=cfg.run.log_format), \
+            process_logs(cfg.run.log_format, "driver", cfg.run.name) as json_log:
         check_placement(cfg, ray.nodes())
         if cfg.checkpoint.memory_tier:
             from cs3ray.ckpt.keeper import start_keepers
@@ -307,14 +309,15 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
                 if stop is not None and stop.is_set() and not stop_sent:
                     monitor.request_stop.remote()
                     stop_sent = True
-                events += _drain(monitor, len(events), log, on_event, metrics, loggers)
-            events += _drain(monitor, len(events), log, on_event, metrics, loggers)
+                events += _drain(monitor, len(events), log, on_event, metrics, loggers, json_log is not None)
+            events += _drain(monitor, len(events), log, on_event, metrics, loggers, json_log is not None)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
             log.flush()
             close_loggers(loggers)
         if "error" in outcome:
+            run_log.error("training failed: %s", _worker_error(outcome["error"]))
             raise TrainingError(_worker_error(outcome["error"])) from None
         ray.kill(monitor)
     summary = redact_values(summarize(cfg, run, events, time.time() - started, resumed=resume))  # URLs' passwords
@@ -346,12 +349,15 @@ def _trainer_class() -> type:
 
 
 def _drain(monitor, start: int, log: EventLog, on_event: EventSink | None, metrics: RunMetrics,
-           loggers: list[RunLogger]) -> list[dict]:
+           loggers: list[RunLogger], json_log: bool = False) -> list[dict]:
     import ray
 
     new = ray.get(monitor.events_since.remote(start))
     for e in new:
         log.add(e)
+        if json_log:  # the driver's JSON log: each worker event as a line, at the step it happened
+            level = logging.WARNING if e["event"] in ("restart", "preemption") else logging.INFO
+            run_log.log(level, event_message(e), extra={"event": e["event"], "step": e.get("step")})
         metrics.observe(e)
         observe_all(loggers, e)
         if on_event:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from cs3ray.ckpt import CheckpointManager
 from cs3ray.ckpt.finetune import load_init_weights
 from cs3ray.config import JobConfig, build_config, to_yaml
+from cs3ray.config.redact import redact_value
 from cs3ray.core.engine import ComputeCore
 from cs3ray.core.mesh import discover
 from cs3ray.core.mfu import mfu, stage_flops_per_token
@@ -28,6 +29,7 @@ from cs3ray.data.ray_stream import RayDataStream
 from cs3ray.data.shards import read_manifest, read_split, shard_tokenizer
 from cs3ray.data.stream import TrainStream
 from cs3ray.models import load_tokenizer, train_flops_per_token
+from cs3ray.ops.json_logs import process_logs, run_log, set_step
 from cs3ray.storage import open_url
 
 from .balance import Balancer
@@ -227,6 +229,8 @@ class Worker:
         url = self.ckpt.save(p.step, self.core.state(), meta, rank_state, files)
         self._event("checkpoint", step=p.step, url=url, seconds=round(time.perf_counter() - t0, 3), trigger=why,
                     data_samples=meta["data"]["samples"] if meta["data"] else None)
+        run_log.info("checkpoint of step %d (%s) staged in %.3f s: %s", p.step, why, time.perf_counter() - t0,
+                     redact_value(url))
         return url
 
     def run(self) -> None:
@@ -234,6 +238,9 @@ class Worker:
 
         cfg, t, p = self.cfg, self.cfg.train, self.progress
         tokens_per_step = self.plan.global_samples * t.seq_len
+        set_step(p.step)
+        run_log.info("rank %d of %d starts at step %d (micro-batch %d, grad_accum %d, %s)", self.rank, self.world,
+                     p.step, self.plan.micro_batch, self.plan.grad_accum, self.core.precision)
         self._event("start", step=p.step, workers=self.world, params=self.core.n_params, total_steps=t.steps,
                     nodes=len(set(self.topo.node_ids)), node_ids=list(self.topo.node_ids), tp=self.topo.tp, strategy=cfg.parallel.strategy,
                     peak_flops=self.peak_flops, threads=self.threads, precision=self.core.precision, pids=_all_gather(os.getpid()),
@@ -280,6 +287,7 @@ class Worker:
                 # Weighted by the rows each rank took (train.balance; 1 on every rank otherwise).
                 loss_sum, stop, due = _all_reduce([loss * self.core.sample_weight, stop_flag, due_flag], self.device)
             p.step += 1
+            set_step(p.step)
             # One rank per tensor-parallel group traces: its ranks read the same samples.
             self.stream.trace_step(p.step, write=self.topo.tp_rank == 0 and self.topo.pp_rank == 0)
             p.tokens_seen += tokens_per_step
@@ -300,6 +308,8 @@ class Worker:
                             grad_norm=self.core.grad_norm,
                             loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
                             cache=self.stream.cache_counters(), **self._bubble())
+                run_log.info("step %d loss %.4f step_time_s %.3f tokens_per_s %.0f", p.step, loss_sum / participants,
+                             step_time, tps)
                 window_t, window_steps, tracked = time.perf_counter(), 0, False
             if balancer is not None and p.step % t.balance_every == 0:
                 self._rebalance(balancer)
@@ -328,6 +338,7 @@ class Worker:
         final = {"step": p.step, "val_loss": p.val_loss, "initial_val_loss": p.initial_val_loss,
                  "tokens_seen": p.tokens_seen, "stopped": stopped, "skipped_steps": self.core.scaler.skipped}
         self._event("end", memory=memory, comm=comm, step_s=step_s, **final)
+        run_log.info("rank %d ends at step %d%s", self.rank, p.step, " (stopped)" if stopped else "")
         if self.sync is None:  # a report is a barrier of all workers, which replicas must never wait on
             ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float)) and not math.isnan(v)})
 
@@ -413,14 +424,18 @@ class Worker:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: `config` carries the job, the run URL and the monitor handle."""
+    import ray.train
+
     cfg = build_config(config["job"])
     worker: Worker | None = None
-    try:
-        worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"), config.get("val_rows"))
-        worker.run()
-    except BaseException as exc:
-        _report_failure(config.get("monitor"), worker, exc)
-        raise
+    with process_logs(cfg.run.log_format, "worker", cfg.run.name, rank=ray.train.get_context().get_world_rank()):
+        try:
+            worker = Worker(cfg, config["run_url"], config["shards_url"], config.get("monitor"), config.get("val_rows"))
+            worker.run()
+        except BaseException as exc:
+            run_log.error("worker failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, KeyboardInterrupt))
+            _report_failure(config.get("monitor"), worker, exc)
+            raise
 
 
 def _report_failure(monitor: Any, worker: "Worker | None", exc: BaseException) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from cs3ray.errors import UserError
 from cs3ray.ops.cluster_env import haproxy_binary
+from cs3ray.ops.json_logs import FIELDS
 from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 
@@ -237,10 +238,11 @@ def test_a_run_trained_in_one_precision_serves_in_another(http_port, short_run, 
 
 
 def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
+    """And with --log-format json, the replica's Serve log is JSON lines that carry the step it serves."""
     run = tmp_path / "run"
     make_checkpoint(run, step=1, seed=0)
     spec = make_spec(str(run), name="follow-test", follow=True, route_prefix="/follow",
-                     overrides={"dtype": "fp32"})
+                     overrides={"dtype": "fp32"}, log_format="json")
     spec.serve = spec.serve.model_copy(update={"follow_interval_s": 0.3})
     url = deploy(spec, "127.0.0.1", http_port)
     try:
@@ -263,6 +265,24 @@ def test_hot_reload_keeps_the_stream_and_swaps_weights(http_port, tmp_path):
         assert now.system_fingerprint == "step-2", fingerprints
     finally:
         shutdown(spec.name)
+    check_replica_json_log("follow-test", steps=[1, 2])
+
+
+def check_replica_json_log(app: str, steps: list[int]) -> None:
+    """Every line of the app's Serve replica log parses as JSON, with the index's fields (deploy/logging/) from
+    the replica's constructor on (Serve writes one line before it: "Started initializing replica.")."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    (path,) = [p for p in logs.glob(f"replica_{app}*.log")]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    first = next(i for i, r in enumerate(lines) if r["name"] == "cs3ray.run")
+    assert first <= 1 and all(r["application"] == app for r in lines if "application" in r)
+    # Serve leaves job_id out of replica lines (a replica belongs to Serve's job): null there.
+    assert all(set(FIELDS) <= set(r) and r["run"] == "tiny" and r["rank"] == 0 for r in lines[first:])
+    served = [r["step"] for r in lines if r["message"].startswith("replica ")]
+    assert served == steps, [r["message"] for r in lines]
+    assert lines[-1]["step"] == steps[-1]  # the lines after a swap (requests, shutdown) carry the new step
 
 
 def haproxies() -> set[int]:
