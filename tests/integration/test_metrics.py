@@ -177,6 +177,70 @@ def test_metrics_endpoint_and_loggers_hold_the_runs_figures(ray_head, tmp_path, 
     assert [m.value for m in losses] == pytest.approx([v for _, v in scalars["cs3/loss"]], rel=1e-6)
 
 
+def wait_for(url: str, prefix: str, label: tuple[str, str], wanted: dict[str, float]) -> dict[str, list]:
+    """The samples of `prefix` whose `label` has the value given, by sample name, once each wanted sample
+    name has (summed over its series) the value given; fails after 30 s with what was seen."""
+    deadline, got = time.time() + 30, {}
+    while True:
+        got = {}
+        for samples in scrape(url, prefix).values():
+            for s in samples:
+                if s.labels.get(label[0]) == label[1] and s.labels.get("le", "+Inf") == "+Inf":
+                    got.setdefault(s.name, []).append(s)
+        if all(sum(x.value for x in got.get(k, [])) == pytest.approx(v) for k, v in wanted.items()):
+            return got
+        assert time.time() < deadline, ({k: [x.value for x in v] for k, v in got.items()}, wanted)
+        time.sleep(0.5)
+
+
+def test_run_metrics_count_restarts_recoveries_skipped_steps_and_time_each_step(ray_client, ray_head):
+    """The driver's metrics from a run's events: the first start is no restart, each later one is; a
+    heal is a recovery; a progress event adds its window's tokens and skipped steps and times each step."""
+    from cs3ray.ops.metrics import RunMetrics
+
+    metrics = RunMetrics("counted")
+    for event in [{"event": "start", "step": 0}, {"event": "healed"},
+                  {"event": "progress", "step": 2, "loss": 2.5, "window_tokens": 256, "window_skipped": 1,
+                   "step_times_s": [0.02, 0.3]},
+                  {"event": "start", "step": 2}, {"event": "checkpoint", "step": 2, "seconds": 0.4},
+                  {"event": "progress", "step": 3, "window_tokens": 128, "window_skipped": 0, "step_times_s": [7.0]}]:
+        metrics.observe(event)
+    got = wait_for(ray_head.metrics_url, "ray_cs3_train_", ("run", "counted"), {
+        "ray_cs3_train_restarts_total": 1, "ray_cs3_train_recoveries_total": 1,
+        "ray_cs3_train_skipped_steps_total": 1, "ray_cs3_train_tokens_total": 384,
+        "ray_cs3_train_step_seconds_count": 3, "ray_cs3_train_loss": 2.5,
+        "ray_cs3_train_checkpoint_save_seconds": 0.4})
+    buckets = {s.labels["le"]: s.value for s in scrape(ray_head.metrics_url, "ray_cs3_train_step_seconds")
+               ["ray_cs3_train_step_seconds"] if s.labels.get("run") == "counted" and s.name.endswith("_bucket")}
+    assert (buckets["0.025"], buckets["0.5"], buckets["10.0"]) == (1, 2, 3), buckets
+    assert got["ray_cs3_train_step"][0].value == 3 and "ray_cs3_train_grad_norm" not in got  # no event set it
+
+
+def test_cache_counters_of_a_nodes_processes_are_one_series_per_node_and_run(ray_client, ray_head):
+    """Two processes of the node count for the same run: the endpoint shows one series per counter with
+    their sum, tagged node and run, no process id; another run is a series of its own."""
+    import ray
+
+    from cs3ray.data.cache.stats import CacheStats, StatsWriter
+
+    @ray.remote(num_cpus=0)
+    def count(run: str, hits: int, wait_s: float) -> None:
+        stats = CacheStats()
+        writer = StatsWriter(stats, None, run=run)
+        stats.add(l1_hits=hits, l3_bytes=1000)
+        writer.flush()
+        stats.add(l1_hits=1, wait_s=wait_s)
+        writer.flush(final=True)
+
+    ray.get([count.remote("node-sum", 2, 0.25), count.remote("node-sum", 5, 0.5), count.remote("other", 1, 0.0)])
+    got = wait_for(ray_head.metrics_url, "ray_cs3_cache_", ("run", "node-sum"), {
+        "ray_cs3_cache_l1_hits_total": 9, "ray_cs3_cache_l3_bytes_total": 2000, "ray_cs3_cache_wait_seconds_total": 0.75})
+    for samples in got.values():
+        ((sample,),) = [samples]  # one series each
+        assert sample.labels["node"] == socket.gethostname() and "pid" not in sample.labels
+    wait_for(ray_head.metrics_url, "ray_cs3_cache_", ("run", "other"), {"ray_cs3_cache_l1_hits_total": 2})
+
+
 def test_a_logger_whose_package_is_missing_is_one_clear_error(monkeypatch):
     import importlib.util
 
