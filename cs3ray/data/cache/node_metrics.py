@@ -10,6 +10,7 @@ series stay one while runs come and go (`ray kill` it to remove it; the next cac
 
 from __future__ import annotations
 
+import functools
 import socket
 from typing import Any
 
@@ -33,6 +34,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+@functools.cache  # one actor class per process: each definition is exported to the cluster again
 def _actor_class():
     import ray
 
