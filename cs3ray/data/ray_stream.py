@@ -142,7 +142,8 @@ class RayDataStream(TrainStream):
         # The time this worker waited for data, counted and written as the direct loader's is.
         disk = cache_cfg.get("disk_dir", DEFAULT_DISK_DIR) if cache_cfg.get("disk_bytes", 1) > 0 else None
         self.stats = CacheStats()
-        self.writer = StatsWriter(self.stats, os.path.abspath(os.path.expanduser(disk)) if disk else None)
+        self.writer = StatsWriter(self.stats, os.path.abspath(os.path.expanduser(disk)) if disk else None,
+                                  run=cache_cfg.get("run", ""))
         _transform(self.transform_spec)  # a transform that cannot be imported fails here, not in a task
         if cache_cfg.get("warm") and first_on_node:
             self.cache = from_config(source, entries, cache_cfg)
@@ -209,4 +210,4 @@ class RayDataStream(TrainStream):
     def close(self) -> None:
         """Stop the pipeline and write this worker's counters (the tasks write their own)."""
         self._stop()
-        self.writer.flush()
+        self.writer.flush(final=True)

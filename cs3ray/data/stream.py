@@ -168,6 +168,7 @@ class TrainStream:
         if cache is None:
             cache = job.get("cache") or {}
         cache_cfg = cache.model_dump() if hasattr(cache, "model_dump") else dict(cache)
+        cache_cfg.setdefault("run", (job.get("run") or {}).get("name", ""))  # the cache's Prometheus `run` tag
         if trace_url is None and cache_cfg.get("trace") and loop_cfg.get("run_url"):
             trace_url = f"{loop_cfg['run_url'].rstrip('/')}/data-trace"
         self.batch_size, self.seed = batch_size, seed

@@ -256,6 +256,9 @@ class Worker:
         next_batch = lambda: next(self.stream)  # noqa: E731
         last_ckpt = p.step if p.step > 0 else None
         window_t, window_steps, stopped = time.perf_counter(), 0, False
+        # This log window's step times and skipped steps: the driver's step-time histogram and counters.
+        window_step_s: list[float] = []
+        window_skipped_from = self.core.scaler.skipped
         first_step = p.step
         step_s: list[float] = []  # this process's first STEP_TIMES_KEPT steps: where a run reaches its steady state
         tracked = False  # this log window holds the step measured for peak memory
@@ -298,12 +301,15 @@ class Worker:
             step_time = time.perf_counter() - t0
             if len(step_s) < STEP_TIMES_KEPT:
                 step_s.append(round(step_time, 6))
+            window_step_s.append(round(step_time, 6))
             if p.step % t.log_every == 0 or p.step == t.steps or stop:
                 elapsed = time.perf_counter() - window_t
                 tps = tokens_per_step * window_steps / elapsed
                 self._event("progress", step=p.step, loss=loss_sum / participants, step_time_s=step_time,
                             **self._comm_window(window_steps),
                             tokens_per_s=tps, tokens_seen=p.tokens_seen, skipped_steps=self.core.scaler.skipped,
+                            window_tokens=tokens_per_step * window_steps, step_times_s=window_step_s,
+                            window_skipped=self.core.scaler.skipped - window_skipped_from,
                             mfu=mfu(tps, self.flops_per_token, self.world, self.peak_flops), lr=lr, step_applied=ok,
                             grad_norm=self.core.grad_norm,
                             loss_scale=self.core.scaler.scale, workers=participants, memory_tracked=tracked,
@@ -311,6 +317,7 @@ class Worker:
                 run_log.info("step %d loss %.4f step_time_s %.3f tokens_per_s %.0f", p.step, loss_sum / participants,
                              step_time, tps)
                 window_t, window_steps, tracked = time.perf_counter(), 0, False
+                window_step_s, window_skipped_from = [], self.core.scaler.skipped
             if balancer is not None and p.step % t.balance_every == 0:
                 self._rebalance(balancer)
             if p.step % t.eval_every == 0 or p.step == t.steps or stop:
@@ -370,7 +377,9 @@ class Worker:
 
             return DatasetStream(ray.train.get_dataset_shard("train"), self.plan.micro_batch, cfg.train.seq_len + 1,
                                  cfg.model.args().vocab_size, p.data_position, world=self.topo.dp)
-        args = dict(shards_url=self.shards_url, storage_options=cfg.storage.options, cache=cfg.cache,
+        # The run names the cache's node counters on Prometheus (data/cache/node_metrics.py).
+        args = dict(shards_url=self.shards_url, storage_options=cfg.storage.options,
+                    cache={**cfg.cache.model_dump(), "run": cfg.run.name},
                     rank=self.topo.dp_rank, world=self.topo.dp, transform=cfg.data.transform)
         if cfg.data.loader == "ray_data":
             # Planned up to the last step; a redone step or a re-split continues in a new pipeline.

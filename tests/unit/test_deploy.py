@@ -778,3 +778,72 @@ def test_a_broken_network_policy_is_caught():
     dashboard_only = [{"port": DASHBOARD, "protocol": "TCP"}]
     assert any("operator cannot reach 8265" in e for e in broken(
         lambda s: s.update(ingress=[r for r in s["ingress"] if r.get("ports") != dashboard_only])))
+
+
+PODMONITOR = DEPLOY / "kuberay" / "podmonitor.yaml"
+# The PodMonitor fields (prometheus-operator's monitoring.coreos.com/v1 CRD) a manifest here may use: a
+# misspelt one would be pruned by the API server and the scrape silently not be what it says.
+PODMONITOR_FIELDS = {
+    "": {"apiVersion", "kind", "metadata", "spec"},
+    "spec": {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels", "sampleLimit"},
+    "endpoint": {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings", "scheme",
+                 "honorLabels"},
+    "relabeling": {"sourceLabels", "targetLabel", "regex", "replacement", "action", "separator", "modulus"},
+}
+
+
+def check_pod_monitor(monitor: dict) -> list[str]:
+    """Where a PodMonitor misses a Ray pod of a manifest here (head or worker group), selects a pod that is
+    not a Ray node (a RayJob's submitter), names a port the pod lacks or that is not its metrics export
+    port, or scrapes where the manifest's NetworkPolicy keeps Prometheus out."""
+    out = [f"unknown field {where or 'top'}.{k}" for where, obj in
+           [("", monitor), ("spec", monitor["spec"])] + [("endpoint", e) for e in monitor["spec"]["podMetricsEndpoints"]]
+           + [("relabeling", r) for e in monitor["spec"]["podMetricsEndpoints"] for r in e.get("relabelings", [])]
+           for k in obj if k not in PODMONITOR_FIELDS[where]]
+    if (monitor["apiVersion"], monitor["kind"]) != ("monitoring.coreos.com/v1", "PodMonitor"):
+        out.append("not a monitoring.coreos.com/v1 PodMonitor")
+    spec = monitor["spec"]
+    if spec.get("namespaceSelector"):
+        out.append("namespaceSelector: the Ray pods are in the PodMonitor's own namespace")
+    for kind in sorted(KINDS):
+        cluster, policy = cluster_spec(kind), network_policy(kind)
+        groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+        for i, (name, labels, template) in enumerate(kuberay_pods(kind)):
+            is_ray, selected = labels.get("ray.io/is-ray-node") == "yes", selects(spec["selector"], labels)
+            if is_ray != selected:
+                out.append(f"{kind} {name}: {'selected, not a Ray pod' if selected else 'not selected'}")
+            if not (is_ray and selected):
+                continue
+            ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0].get("ports", [])
+                     if "name" in p}
+            export = int(groups[i]["rayStartParams"].get("metrics-export-port", 0))
+            for e in spec["podMetricsEndpoints"]:
+                port = ports.get(e["port"])
+                if port is None:
+                    out.append(f"{kind} {name}: no container port named {e['port']}")
+                elif port != export:
+                    out.append(f"{kind} {name}: port {e['port']} is {port}, Ray exports metrics on {export}")
+                elif not admitted([policy], labels, PROMETHEUS, port, ports):
+                    out.append(f"{kind} {name}: the NetworkPolicy keeps Prometheus from {port}")
+                if e.get("path", "/metrics") != "/metrics":
+                    out.append(f"{kind} {name}: Ray serves /metrics, not {e['path']}")
+    return out
+
+
+def test_pod_monitor_scrapes_every_ray_pod_of_the_manifests():
+    (monitor,) = documents(PODMONITOR)
+    assert check_pod_monitor(monitor) == []
+    assert monitor["spec"]["podMetricsEndpoints"] and monitor["metadata"]["labels"]["release"]
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s: s["podMetricsEndpoints"][0].update(port="dashboard"), "no container port named dashboard"),
+    (lambda s: s["selector"]["matchExpressions"][0]["values"].remove("cs3ray-tiny"), "RayService head: not selected"),
+    (lambda s: s.pop("selector") and s.update(selector={}), "RayJob submitter: selected, not a Ray pod"),
+    (lambda s: s["podMetricsEndpoints"][0].update(intervall="15s"), "unknown field endpoint.intervall"),
+    (lambda s: s.update(namespaceSelector={"any": True}), "namespaceSelector"),
+])
+def test_a_broken_pod_monitor_is_caught(change, problem):
+    monitor = copy.deepcopy(documents(PODMONITOR)[0])
+    change(monitor["spec"])
+    assert any(problem in p for p in check_pod_monitor(monitor)), check_pod_monitor(monitor)

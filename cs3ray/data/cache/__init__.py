@@ -3,7 +3,7 @@
 L1 belongs to one process (each worker has its own); L2 is shared by every process on a node.
 Modules: `policy` (eviction), `memory` (L1), `disk` (L2, shared by a node's processes),
 `remote` (L3 with retries: `cs3ray.storage.retry`), `tiered` (the read-through cache and
-prefetch), `stats` (counters, files and Ray metrics), `locking`, `node` (warm, stats and clear of a
+prefetch), `stats` (counters and their files), `node_metrics` (the counters on Prometheus, one series per node and run), `locking`, `node` (warm, stats and clear of a
 node's L2: what `cs3 cache` calls), and `datasource` (Ray Data reads through the cache; imported on
 its own because it needs Ray).
 """

@@ -3,7 +3,7 @@
 Each process counts for itself and, now and then, writes its counters to
 `<disk_dir>/.stats/<host>-<pid>.json` (atomically), so `cs3 cache stats` can add up every
 worker of the node, and a finished run's numbers stay readable. Inside Ray the same
-counters go out as Ray metrics (Prometheus) too.
+counters go out as Ray metrics (Prometheus) too, added up per node and run (`node_metrics`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from cs3ray.storage import makedirs_private, open_private
+
+from .node_metrics import NodePublisher
 
 STATS_DIR = ".stats"
 _ADD_LOCK = threading.Lock()
@@ -70,24 +72,31 @@ def total(stats: list[dict]) -> CacheStats:
 
 
 class StatsWriter:
-    """Writes a process's counters under the L2 directory at most every `period_s`, and on close."""
+    """Writes a process's counters under the L2 directory at most every `period_s`, and on close.
 
-    def __init__(self, stats: CacheStats, disk_dir: str | None, period_s: float = 2.0) -> None:
+    run: the run the counters count for (the `run` tag of the node's Prometheus counters).
+    """
+
+    def __init__(self, stats: CacheStats, disk_dir: str | None, period_s: float = 2.0, run: str = "") -> None:
         self.stats, self.period_s, self._last = stats, period_s, 0.0
         self.path = (os.path.join(disk_dir, STATS_DIR, f"{socket.gethostname()}-{os.getpid()}.json")
                      if disk_dir else None)
         self._lock = threading.Lock()
-        self._gauges = None
+        self._publisher = NodePublisher(run)
 
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last >= self.period_s:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
+        """final: the process's last flush, which waits until the node's counters have it."""
         with self._lock:
             self._last = time.monotonic()
             data = self.stats.to_dict()
-            self._publish(data)
+            try:
+                self._publisher.publish(data, wait=final)
+            except Exception:  # noqa: BLE001 - metrics are best effort
+                pass
             if not self.path:
                 return
             try:
@@ -98,23 +107,6 @@ class StatsWriter:
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # statistics must never stop training (a full disk, say)
-
-    def _publish(self, data: dict) -> None:
-        # Ray metrics only exist inside a Ray process; a plain CLI run just writes the file.
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            from ray.util.metrics import Gauge
-
-            if self._gauges is None:
-                self._gauges = {k: Gauge(f"cs3_cache_{k}", description=f"cs3ray shard cache: {k}", tag_keys=("pid",))
-                                for k in data}
-            for k, v in data.items():
-                self._gauges[k].set(float(v), tags={"pid": str(os.getpid())})
-        except Exception:  # noqa: BLE001 - metrics are best effort
-            pass
 
 
 def read_all(disk_dir: str) -> list[dict]:

@@ -43,7 +43,7 @@ class TieredCache:
     def __init__(self, source: Storage, entries: Iterable[dict], memory_bytes: int = 256 * 2**20,
                  disk_bytes: int = 20 * 2**30, disk_dir: str | None = DEFAULT_DISK_DIR,
                  policy: str = "noevict", l1_policy: str | None = None, prefetch_threads: int = 4,
-                 retry_deadline_s: float = 60.0) -> None:
+                 retry_deadline_s: float = 60.0, run: str = "") -> None:
         # The names come from the shard set's manifest: each must be a file name before it is joined to a path.
         self.entries = {check_name(e["file"], f"the manifest of '{source.url}'", CacheError): e for e in entries}
         self.remote = RemoteTier(source, retry_deadline_s)
@@ -51,7 +51,7 @@ class TieredCache:
         self.stats = CacheStats()
         self.memory = MemoryTier(memory_bytes, make_policy(l1_policy or policy)) if memory_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, make_policy(policy)) if disk_dir and disk_bytes > 0 else None
-        self.writer = StatsWriter(self.stats, self.disk.root if self.disk else None)
+        self.writer = StatsWriter(self.stats, self.disk.root if self.disk else None, run=run)
         self._pool = ThreadPoolExecutor(max(1, prefetch_threads), thread_name_prefix="cs3-prefetch")
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -152,7 +152,7 @@ class TieredCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.writer.flush()
+        self.writer.flush(final=True)
 
     def __enter__(self) -> "TieredCache":
         return self
@@ -184,4 +184,4 @@ def from_config(source: Storage, entries: list[dict], cfg: dict) -> TieredCache:
     return TieredCache(source, entries, memory_bytes=cfg.get("memory_bytes", 256 * 2**20),
                        disk_bytes=cfg.get("disk_bytes", 20 * 2**30), disk_dir=cfg.get("disk_dir", DEFAULT_DISK_DIR),
                        policy=cfg.get("policy", "noevict"), prefetch_threads=max(1, min(4, cfg.get("prefetch", 4))),
-                       retry_deadline_s=cfg.get("retry_deadline_s", 60.0))
+                       retry_deadline_s=cfg.get("retry_deadline_s", 60.0), run=cfg.get("run", ""))
