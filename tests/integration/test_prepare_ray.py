@@ -65,17 +65,17 @@ def test_ray_pipeline_is_byte_identical_at_any_parallelism_and_skips_on_rerun(ra
     expected = _files(tmp_path / "single")
     assert len(expected) > 5
     for parallelism in (1, 3):
-        m, kept = prepare_shards_ray(corpus, open_url(str(tmp_path / f"p{parallelism}")), SPEC, tokenizer=tok,
+        m, kept, _ = prepare_shards_ray(corpus, open_url(str(tmp_path / f"p{parallelism}")), SPEC, tokenizer=tok,
                                      parallelism=parallelism)
         assert kept == 0 and _files(tmp_path / f"p{parallelism}") == expected
     # A finished set whose shards verify is left as it is; after an interruption (no manifest) and a
     # damaged shard, only that shard is written again.
     out = open_url(str(tmp_path / "p3"))
-    m2, kept = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
+    m2, kept, _ = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
     assert m2 == m and kept == len(expected) - 1
     (tmp_path / "p3" / "manifest.json").unlink()
     (tmp_path / "p3" / "train-00001.parquet").write_bytes(b"truncated")
-    _, kept = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
+    _, kept, _ = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
     assert kept == len(expected) - 2 and _files(tmp_path / "p3") == expected
 
 
