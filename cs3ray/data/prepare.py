@@ -344,7 +344,7 @@ def _tokenize(corpus: Corpus, tok: Tokenizer, staging: Storage, max_bytes: int,
     import ray
 
     args = {"corpus": dataclasses.replace(corpus, files=[]), "tok_json": tok.to_json(), "staging": staging}
-    placement = _placement(_is_local(corpus.storage) or _is_local(staging), parallelism)
+    local = _is_local(corpus.storage) or _is_local(staging)
     split_text = _splits_text(tok)
     sizes = np.array([f.size for f in corpus.files], dtype=np.int64)
     stream = _Stream(corpus, max_bytes, progress)
@@ -359,7 +359,7 @@ def _tokenize(corpus: Corpus, tok: Tokenizer, staging: Storage, max_bytes: int,
         groups = _groups(pieces, max(tasks, -(-wave_bytes // GROUP_BYTES)), wave)
         ds = ray.data.from_items(groups, override_num_blocks=len(groups))
         ds = ds.map_batches(_tokenize_group, batch_size=None, batch_format="pyarrow", fn_kwargs=args,
-                            num_cpus=1, **placement)  # one CPU: the one thread its tokenizer uses (`_one_thread`)
+                            num_cpus=1, **_placement(local, min(parallelism, len(groups))))  # one CPU: the one thread its tokenizer uses (`_one_thread`)
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for row in batch.to_pylist():
                 stream.take(row)
@@ -384,8 +384,8 @@ def _samples(ids: np.ndarray, width: int, staging: Storage, layout: _Layout) -> 
         return np.zeros((0, width), dtype=np.uint16)
     starts = ids * width
     breaks = np.nonzero(starts[1:] - starts[:-1] - width > READ_GAP // 2)[0] + 1
-    spans = [(int(starts[a]), int(starts[b - 1]) + width) for a, b in itertools.pairwise([0, *breaks, len(ids)])]
-    parts = [(i, r) for i, (lo, hi) in enumerate(spans) for r in layout.ranges(lo, hi)]
+    spans = list(itertools.pairwise([0, *breaks, len(ids)]))  # samples a..b-1 are read in one request
+    parts = [(i, r) for i, (a, b) in enumerate(spans) for r in layout.ranges(int(starts[a]), int(starts[b - 1]) + width)]
     paths = [staging.path(run) for _, (run, _, _) in parts]
     blobs = staging.call(lambda: staging.fs.cat_ranges(paths, [2 * a for _, (_, a, _) in parts],
                                                        [2 * b for _, (_, _, b) in parts], on_error="raise"),
@@ -394,10 +394,9 @@ def _samples(ids: np.ndarray, width: int, staging: Storage, layout: _Layout) -> 
     for (i, _), blob in zip(parts, blobs, strict=True):
         joined[i].append(blob)
     rows = []
-    for (lo, hi), blobs_i in zip(spans, joined, strict=True):
+    for (a, b), blobs_i in zip(spans, joined, strict=True):
         tokens = np.frombuffer(b"".join(blobs_i), dtype=np.uint16)
-        mine = starts[(starts >= lo) & (starts < hi)] - lo
-        rows.append(tokens[mine[:, None] + np.arange(width)])
+        rows.append(tokens[(starts[a:b] - starts[a])[:, None] + np.arange(width)])
     return np.concatenate(rows)
 
 

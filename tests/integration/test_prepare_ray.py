@@ -1,5 +1,5 @@
 """`cs3 data prepare` as a Ray Data pipeline: byte-identical to the single-process preparation at any
-parallelism and on two nodes (both doing work), a re-run leaves verified shards alone, S3 in and out,
+parallelism and on two nodes (both doing work, a file read in pieces), a re-run leaves verified shards alone, S3 in and out,
 one tokenizer thread per task, and a bad source or an unreachable cluster is one line."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _stage_nodes(dashboard: str) -> dict[str, set[str]]:
     # The dashboard's URL, not the GCS address: resolving that would point this process' internal KV
     # client at the other cluster.
     address = dashboard if "://" in dashboard else f"http://{dashboard}"
-    stages = ("MapBatches(_tokenize_files)", "_write_shards")
+    stages = ("MapBatches(_tokenize_group)", "_write_shards")
     return {stage: {t.node_id for t in list_tasks(address=address, filters=[("name", "=", stage)], detail=True,
                                                   limit=1000, raise_on_missing_output=False) if t.node_id}
             for stage in stages}
@@ -192,8 +192,10 @@ def test_cli_on_two_nodes_shares_the_work_and_writes_what_one_process_writes(two
     tok = train_bpe((p.read_text() for p in (tmp_path / "src").glob("a*.txt")), 300)
     (tmp_path / "tok.json").write_text(tok.to_json())
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # --piece-bytes: the JSONL file is read in four pieces, by tasks on both nodes.
     proc = run_cs3(["data", "prepare", "s3://cs3/two-src", "s3://cs3/two-out", *SPEC_ARGS, "--tokenizer",
-                    str(tmp_path / "tok.json"), "--address", two_nodes.address, "--json", *_s3_args(endpoint)],
+                    str(tmp_path / "tok.json"), "--piece-bytes", "1024", "--address", two_nodes.address, "--json",
+                    *_s3_args(endpoint)],
                    env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["shards_kept"] == 0
