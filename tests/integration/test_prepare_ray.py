@@ -112,7 +112,7 @@ def test_cli_prepares_s3_to_s3(ray_client, ray_head, s3_server, tmp_path):
     res = CliRunner().invoke(app, ["data", "prepare", "s3://cs3/prep-src", "s3://cs3/prep-out", *args])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["shards_kept"] == 0
+    assert summary["shards_kept"] == 0 and summary["driver_peak_rss_mb"] > 0
     prepare_shards(open_corpus(src), open_url(str(tmp_path / "local")), SPEC)
     local = json.loads((tmp_path / "local" / "manifest.json").read_text())
     remote = json.loads(fs.cat_file("cs3/prep-out/manifest.json"))
