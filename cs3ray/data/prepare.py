@@ -3,8 +3,9 @@
 Three stages, each spread over the cluster:
 1. tokenize: Ray Data tasks read pieces of the corpus (whole small files; big text and JSONL files cut
    at line ends into byte ranges, parquet files into shares of their row groups), tokenize them and
-   write their tokens as one run file per task to the destination's staging area. They report only
-   counts: characters and tokens per document (and where a piece failed).
+   write their tokens as one run file per task to the destination's staging area (each document's
+   characters and tokens in an index file beside it). They report only counts: a piece's characters,
+   tokens and documents, and where it failed.
 2. plan: from the counts the driver lays out the token stream (which byte ranges of which runs, in
    corpus order, cut after the document that reaches `max_bytes` as `Corpus.documents` does) and the
    shards (names and sample counts: `shard_layout`). One task draws the train/val split, a permutation
@@ -19,8 +20,9 @@ the stream and the spec, so pieces, tasks and nodes change only where the work r
 written. A text file is one document: it is cut only where the tokenizer encodes the parts as it encodes
 the whole (`corpus._find_cut`, checked for each tokenizer by `_splits_text`).
 
-What the driver holds: per wave, one row of counts per piece (not per document kept), and the stream's
-layout (a few integers per run). Its memory stays flat as the corpus grows.
+What the driver holds: one row of totals per piece as it walks them (a piece's per-document counts are read
+from the staging area only where the cut falls), and the stream's layout (a few integers per run). Its
+memory stays flat as the corpus grows.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ def _splits_text(tok: Tokenizer) -> bool:
     return all(w == parts[2 * i] + parts[2 * i + 1] for i, w in enumerate(whole))
 
 
-def _piece_tokens(corpus: Corpus, piece: Piece, tok: Tokenizer) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """Tokens of one piece (a list of arrays) and its row of counts.
+def _piece_tokens(corpus: Corpus, piece: Piece, tok: Tokenizer) -> tuple[list[np.ndarray], np.ndarray, dict[str, Any]]:
+    """Tokens of one piece (a list of arrays), each fragment's (characters, tokens), and its row of counts.
 
     Text: one fragment of its file's single document (the end-of-text id after the last piece; `open`
     until then; `bad` when the bytes are not UTF-8, which skips the whole file). JSONL and parquet: one
@@ -145,38 +147,42 @@ def _piece_tokens(corpus: Corpus, piece: Piece, tok: Tokenizer) -> tuple[list[np
         docs = [d for s in range(0, len(texts), BPE_BATCH) for d in encode_documents(texts[s:s + BPE_BATCH], tok)]
     if row["open"] and docs:
         docs[0] = docs[0][:-1]  # the document goes on in the next piece
-    row["chars"] = np.array([len(t) for t in texts], dtype=np.int64).tobytes()
-    row["lengths"] = np.array([len(d) for d in docs], dtype=np.int64).tobytes()
-    return docs, row
+    counts = np.array([(len(t), len(d)) for t, d in zip(texts, docs, strict=True)], dtype=np.int64).reshape(-1, 2)
+    row.update(docs=len(docs), chars=int(counts[:, 0].sum()), tokens=int(counts[:, 1].sum()))
+    return docs, counts, row
 
 
 def _tokenize_group(batch: pa.Table, corpus: Corpus, tok_json: str, staging: Storage) -> pa.Table:
-    """Ray Data task: each group's pieces -> their tokens in one run file in the staging area, and one row
-    of counts per piece (where in the run its tokens start)."""
+    """Ray Data task: each group's pieces -> their tokens in one run file in the staging area, their documents'
+    (characters, tokens) in an index file beside it, and one row of totals per piece (where in the run its
+    tokens start, where in the index its documents'): the driver reads a piece's index only if it cuts there."""
     tok = _tokenizer(tok_json)
     rows: list[dict[str, Any]] = []
     for pieces, run in zip(batch.column("pieces").to_pylist(), batch.column("run").to_pylist(), strict=True):
         tokens: list[np.ndarray] = []
+        index: list[np.ndarray] = []
         group: list[dict[str, Any]] = []
-        offset = 0
+        offset = at = 0
         for p in pieces:
-            docs, row = _piece_tokens(corpus, Piece(**p), tok)
-            row.update(run=run, offset=offset)
-            offset += sum(len(d) for d in docs)
+            docs, counts, row = _piece_tokens(corpus, Piece(**p), tok)
+            row.update(run=f"{run}.u16", offset=offset, index=f"{run}.idx", index_at=at)
+            offset, at = offset + row["tokens"], at + len(counts)
             tokens.extend(docs)
+            index.append(counts)
             group.append(row)
         try:
-            staging.write_bytes(np.concatenate(tokens) if tokens else b"", run, durable=False)
+            staging.write_bytes(np.concatenate(tokens) if tokens else b"", f"{run}.u16", durable=False)
+            staging.write_bytes(np.concatenate(index).astype("<i8"), f"{run}.idx", durable=False)
         except StorageError as exc:  # nothing of this group can be used: the driver fails on reaching it
-            group = [{**group[0], "chars": b"", "lengths": b"", "open": False, "error": str(exc), "error_line": 0}]
+            group = [{**group[0], "docs": 0, "open": False, "error": str(exc), "error_line": 0}]
         rows.extend(group)
     return pa.Table.from_pylist(rows, schema=_COUNTS)
 
 
 _COUNTS = pa.schema([("file", pa.int64()), ("text", pa.bool_()), ("open", pa.bool_()), ("bad", pa.bool_()),
                      ("lines", pa.int64()), ("error", pa.string()), ("error_line", pa.int64()),
-                     ("chars", pa.binary()), ("lengths", pa.binary()), ("run", pa.string()),
-                     ("offset", pa.int64())])
+                     ("docs", pa.int64()), ("chars", pa.int64()), ("tokens", pa.int64()), ("run", pa.string()),
+                     ("offset", pa.int64()), ("index", pa.string()), ("index_at", pa.int64())])
 
 
 @dataclasses.dataclass
@@ -184,6 +190,7 @@ class _Stream:
     """The token stream as byte ranges of runs, built from the pieces' counts in corpus order."""
 
     corpus: Corpus
+    staging: Storage
     max_bytes: int
     progress: Callable[[int], None] | None
     runs: list[str] = dataclasses.field(default_factory=list)  # one per segment: (run, start, length) tokens
@@ -219,23 +226,27 @@ class _Stream:
         """Add one piece's documents (up to the one that reaches max_bytes); raise its error if reached."""
         if row["file"] != self.file:
             self.file, self.line_base = row["file"], 0
-        chars, lengths = np.frombuffer(row["chars"], np.int64), np.frombuffer(row["lengths"], np.int64)
         if row["text"]:
             self.pending_bad |= row["bad"]
-            if len(chars):
-                self.pending.append((row["run"], row["offset"], int(lengths[0])))
-                self.pending_chars += int(chars[0])
+            if row["docs"]:
+                self.pending.append((row["run"], row["offset"], row["tokens"]))
+                self.pending_chars += row["chars"]
                 if not row["open"]:  # the file's document is complete: empty or not UTF-8 files are skipped
                     if not self.pending_bad and self.pending_chars > 0:
                         for part in self.pending:
                             self._add(*part)
                         self._took(self.pending_chars)
                     self.pending, self.pending_chars, self.pending_bad = [], 0, False
-        elif len(chars):
-            reached = self.produced + np.cumsum(chars)
-            docs = min(len(chars), int(np.searchsorted(reached, self.max_bytes)) + 1)
+        elif row["docs"] and self.produced + row["chars"] < self.max_bytes:
+            self._add(row["run"], row["offset"], row["tokens"])
+            self._took(row["chars"])
+        elif row["docs"]:  # the cut is in this piece: after the document that reaches max_bytes
+            at = 16 * row["index_at"]
+            counts = np.frombuffer(_read_range(self.staging, row["index"], at, at + 16 * row["docs"]), "<i8")
+            chars, lengths = counts[0::2], counts[1::2]
+            docs = int(np.searchsorted(self.produced + np.cumsum(chars), self.max_bytes)) + 1
             self._add(row["run"], row["offset"], int(lengths[:docs].sum()))
-            self._took(int(reached[docs - 1]) - self.produced)
+            self._took(int(chars[:docs].sum()))
         if self.done:
             return
         if row["error"]:
@@ -284,7 +295,7 @@ def _groups(pieces: list[Piece], count: int, wave: int) -> list[dict[str, Any]]:
     sizes = np.array([p.size / p.parts for p in pieces], dtype=np.float64)
     bounds = np.searchsorted(np.cumsum(sizes), np.arange(1, count) * sizes.sum() / count, side="left") + 1
     cuts = [0, *sorted({int(b) for b in bounds if 0 < b < len(pieces)}), len(pieces)]
-    return [{"pieces": [dataclasses.asdict(p) for p in pieces[a:b]], "run": f"runs/{wave:05d}-{g:06d}.u16"}
+    return [{"pieces": [dataclasses.asdict(p) for p in pieces[a:b]], "run": f"runs/{wave:05d}-{g:06d}"}
             for g, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
 
 
@@ -347,7 +358,7 @@ def _tokenize(corpus: Corpus, tok: Tokenizer, staging: Storage, max_bytes: int,
     local = _is_local(corpus.storage) or _is_local(staging)
     split_text = _splits_text(tok)
     sizes = np.array([f.size for f in corpus.files], dtype=np.int64)
-    stream = _Stream(corpus, max_bytes, progress)
+    stream = _Stream(corpus, staging, max_bytes, progress)
     first, wave = 0, 0
     while first < len(corpus.files) and not stream.done:
         want = (max_bytes - stream.produced) * 1.1
