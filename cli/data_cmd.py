@@ -28,6 +28,9 @@ def prepare(src: str = typer.Argument(..., help="Corpus: 'python-stdlib', a dir/
             parallelism: Optional[int] = typer.Option(None, min=1, help="Concurrent Ray Data tasks per stage "
                                                                           "(default: the cluster's CPUs); the output "
                                                                           "is the same for any value."),
+            piece_bytes: Optional[int] = typer.Option(None, min=1024, help="Read files larger than this in parts "
+                                                                          "of about this size (default: automatic); "
+                                                                          "the output is the same for any value."),
             address: Optional[str] = AddressOpt,
             storage: Optional[list[str]] = StorageOverridesArg,
             storage_options: Optional[str] = StorageOptionsOpt,
@@ -53,12 +56,14 @@ def prepare(src: str = typer.Argument(..., help="Corpus: 'python-stdlib', a dir/
         def shards_done(done: int, total: int) -> None:
             bar.update(task, description="writing shards", completed=done, total=total)
 
-        manifest, kept = prepare_shards_ray(corpus, out, ShardSpec(seq_len, samples_per_shard, val_fraction,
-                                                                   max_bytes, seed),
-                                            progress=lambda n: bar.advance(task, n), tokenizer=tok,
-                                            parallelism=parallelism, on_shards=shards_done)
+        manifest, kept, peak_mb = prepare_shards_ray(corpus, out, ShardSpec(seq_len, samples_per_shard, val_fraction,
+                                                                            max_bytes, seed),
+                                                     progress=lambda n: bar.advance(task, n), tokenizer=tok,
+                                                     parallelism=parallelism, on_shards=shards_done,
+                                                     piece_bytes=piece_bytes)
     summary = {"dest": out.url, "tokens": manifest["tokens"], "samples": manifest["samples"],
-               "shards": {k: len(v) for k, v in manifest["splits"].items()}, "shards_kept": kept}
+               "shards": {k: len(v) for k, v in manifest["splits"].items()}, "shards_kept": kept,
+               "driver_peak_rss_mb": peak_mb}
     if as_json:
         print(json.dumps(summary))
     else:

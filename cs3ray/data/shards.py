@@ -109,15 +109,33 @@ def check_existing(dest: Storage, tok: Tokenizer) -> dict | None:
 
 def shard_plan(n_tokens: int, source: str, spec: ShardSpec) -> list[tuple[str, str, np.ndarray]]:
     """(split, file name, sample ids) of every shard: a pure function of the token count and the spec."""
+    ids = split_ids(n_tokens, source, spec)
+    return [(split, name, ids[split][start:stop]) for split, name, start, stop in shard_layout(n_tokens, source, spec)]
+
+
+def _split_sizes(n_tokens: int, source: str, spec: ShardSpec) -> tuple[int, int]:
+    """(samples, validation samples) of a stream of `n_tokens`; one clear error when too short."""
     n = n_tokens // (spec.seq_len + 1)
     if n < 4:
         raise DataError(f"corpus '{source}' gives only {n} samples of {spec.seq_len + 1} tokens; "
                         f"use more text or a shorter train.seq_len.")
+    return n, max(1, int(round(n * spec.val_fraction)))
+
+
+def shard_layout(n_tokens: int, source: str, spec: ShardSpec) -> list[tuple[str, str, int, int]]:
+    """(split, file name, start, stop) of every shard: it holds that slice of its split's sorted sample ids
+    (`split_ids`). Needs only the counts, so a driver plans a corpus of any size without its samples."""
+    n, n_val = _split_sizes(n_tokens, source, spec)
+    sps = spec.samples_per_shard
+    return [(split, f"{split}-{i:05d}.parquet", start, min(count, start + sps))
+            for split, count in (("val", n_val), ("train", n - n_val)) for i, start in enumerate(range(0, count, sps))]
+
+
+def split_ids(n_tokens: int, source: str, spec: ShardSpec) -> dict[str, np.ndarray]:
+    """The sorted sample ids of each split: a seeded permutation of every sample, its first ones validation."""
+    n, n_val = _split_sizes(n_tokens, source, spec)
     order = np.random.default_rng(spec.seed).permutation(n)
-    n_val = max(1, int(round(n * spec.val_fraction)))
-    splits = {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
-    return [(split, f"{split}-{i:05d}.parquet", idx[start:start + spec.samples_per_shard])
-            for split, idx in splits.items() for i, start in enumerate(range(0, len(idx), spec.samples_per_shard))]
+    return {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
 
 
 def build_manifest(corpus: Corpus, spec: ShardSpec, tok: Tokenizer, n_tokens: int,

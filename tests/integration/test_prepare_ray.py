@@ -1,5 +1,5 @@
 """`cs3 data prepare` as a Ray Data pipeline: byte-identical to the single-process preparation at any
-parallelism and on two nodes (both doing work), a re-run leaves verified shards alone, S3 in and out,
+parallelism and on two nodes (both doing work, a file read in pieces), a re-run leaves verified shards alone, S3 in and out,
 one tokenizer thread per task, and a bad source or an unreachable cluster is one line."""
 
 from __future__ import annotations
@@ -65,17 +65,17 @@ def test_ray_pipeline_is_byte_identical_at_any_parallelism_and_skips_on_rerun(ra
     expected = _files(tmp_path / "single")
     assert len(expected) > 5
     for parallelism in (1, 3):
-        m, kept = prepare_shards_ray(corpus, open_url(str(tmp_path / f"p{parallelism}")), SPEC, tokenizer=tok,
+        m, kept, _ = prepare_shards_ray(corpus, open_url(str(tmp_path / f"p{parallelism}")), SPEC, tokenizer=tok,
                                      parallelism=parallelism)
         assert kept == 0 and _files(tmp_path / f"p{parallelism}") == expected
     # A finished set whose shards verify is left as it is; after an interruption (no manifest) and a
     # damaged shard, only that shard is written again.
     out = open_url(str(tmp_path / "p3"))
-    m2, kept = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
+    m2, kept, _ = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
     assert m2 == m and kept == len(expected) - 1
     (tmp_path / "p3" / "manifest.json").unlink()
     (tmp_path / "p3" / "train-00001.parquet").write_bytes(b"truncated")
-    _, kept = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
+    _, kept, _ = prepare_shards_ray(corpus, out, SPEC, tokenizer=tok, parallelism=2)
     assert kept == len(expected) - 2 and _files(tmp_path / "p3") == expected
 
 
@@ -112,7 +112,7 @@ def test_cli_prepares_s3_to_s3(ray_client, ray_head, s3_server, tmp_path):
     res = CliRunner().invoke(app, ["data", "prepare", "s3://cs3/prep-src", "s3://cs3/prep-out", *args])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["shards_kept"] == 0
+    assert summary["shards_kept"] == 0 and summary["driver_peak_rss_mb"] > 0
     prepare_shards(open_corpus(src), open_url(str(tmp_path / "local")), SPEC)
     local = json.loads((tmp_path / "local" / "manifest.json").read_text())
     remote = json.loads(fs.cat_file("cs3/prep-out/manifest.json"))
@@ -172,7 +172,7 @@ def _stage_nodes(dashboard: str) -> dict[str, set[str]]:
     # The dashboard's URL, not the GCS address: resolving that would point this process' internal KV
     # client at the other cluster.
     address = dashboard if "://" in dashboard else f"http://{dashboard}"
-    stages = ("MapBatches(_tokenize_files)", "_write_shards")
+    stages = ("MapBatches(_tokenize_group)", "_write_shards")
     return {stage: {t.node_id for t in list_tasks(address=address, filters=[("name", "=", stage)], detail=True,
                                                   limit=1000, raise_on_missing_output=False) if t.node_id}
             for stage in stages}
@@ -192,8 +192,10 @@ def test_cli_on_two_nodes_shares_the_work_and_writes_what_one_process_writes(two
     tok = train_bpe((p.read_text() for p in (tmp_path / "src").glob("a*.txt")), 300)
     (tmp_path / "tok.json").write_text(tok.to_json())
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # --piece-bytes: the JSONL file is read in four pieces, by tasks on both nodes.
     proc = run_cs3(["data", "prepare", "s3://cs3/two-src", "s3://cs3/two-out", *SPEC_ARGS, "--tokenizer",
-                    str(tmp_path / "tok.json"), "--address", two_nodes.address, "--json", *_s3_args(endpoint)],
+                    str(tmp_path / "tok.json"), "--piece-bytes", "1024", "--address", two_nodes.address, "--json",
+                    *_s3_args(endpoint)],
                    env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["shards_kept"] == 0
