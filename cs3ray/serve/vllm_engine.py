@@ -160,18 +160,21 @@ class VLLMEngine:
         old engine once the requests it runs have finished (at most `drain_s`). Blocks: call it off the event loop."""
         new = _Served(start_llm(model_dir, self.options), step)
         with self._lock:
-            if self._stopped:
-                new.llm.shutdown()
-                return
-            old, self._served = self._served, new
-            self._draining.append(old)
+            stopped = self._stopped
+            if not stopped:
+                old, self._served = self._served, new
+                self._draining.append(old)
+        if stopped:
+            _shutdown(new)
+            return
         if on_switch is not None:
             on_switch(step)
         if not old.idle.wait(drain_s):
             log.warning("the previous vLLM engine still ran %d requests after %.0f s; stopping it", old.running, drain_s)
         with self._lock:
-            self._draining.remove(old)
-        old.llm.shutdown()
+            if old in self._draining:  # stop() may have taken it already
+                self._draining.remove(old)
+        _shutdown(old)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -179,10 +182,7 @@ class VLLMEngine:
             engines = [self._served, *self._draining]
             self._draining = []
         for served in engines:
-            try:
-                served.llm.shutdown(timeout=timeout)
-            except Exception as exc:  # a dead engine core: nothing left to stop
-                log.warning("stopping vLLM: %s", exc)
+            _shutdown(served, timeout)
 
     def load(self) -> dict[str, Any]:
         """Running and waiting requests, output steps seen, busy seconds and the CPU seconds of the replica's
@@ -194,7 +194,7 @@ class VLLMEngine:
                     "slots": self.options.max_batch, "steps": self._steps, "busy_s": busy, "cpu_s": _cpu_seconds()}
 
     def alive(self) -> bool:
-        return not self._stopped and not self._served.llm.errored
+        return not self._stopped and self._served.llm is not None and not self._served.llm.errored
 
     @property
     def step(self) -> int | None:
@@ -255,6 +255,20 @@ class VLLMEngine:
             req.emit(Event("", "error", len(req.prompt_ids), n, error=f"generation failed: {exc}"))
         finally:
             self._end(served, rid)
+
+
+def _shutdown(served: _Served, timeout: float | None = None) -> None:
+    """Stop one engine and drop it now: AsyncLLM's own __del__ would stop it again at interpreter exit,
+    when the modules it calls are already torn down."""
+    llm, served.llm = served.llm, None
+    if llm is None:
+        return
+    try:
+        llm.shutdown(timeout=timeout)
+    except Exception as exc:  # a dead engine core: nothing left to stop
+        log.warning("stopping vLLM: %s", exc)
+    llm.shutdown = lambda *a, **k: None  # its __del__ calls shutdown() once more
+    del llm
 
 
 def _cpu_seconds() -> float:

@@ -89,8 +89,12 @@ class VLLMFollower(Follower):
         tokenizer, _ = read_export(export)
         check_same(tokenizer, self.replica.tokenizer, f"checkpoint of step {export.step}", "the served model",
                    "restart the deployment to serve it")
-        self.replica.engine.swap_checkpoint(export.path, export.step, drain_s=self.spec.serve.request_timeout_s,
-                                            on_switch=self.on_switch)
+        try:
+            self.replica.engine.swap_checkpoint(export.path, export.step, drain_s=self.spec.serve.request_timeout_s,
+                                                on_switch=self.on_switch)
+        except Exception as exc:  # vLLM could not start on it (memory, a bad export): keep serving the old one
+            log.warning("not serving step %d: vLLM failed to start on it: %s", export.step, exc)
+            return False
         self.step = export.step
         log.info("serving step %d of %s through vLLM", export.step, self.spec.run)
         return True

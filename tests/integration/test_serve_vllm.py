@@ -21,6 +21,7 @@ from cs3ray.ops.ports import free_port  # noqa: E402
 from cs3ray.serve.deploy import deploy, make_spec, shutdown  # noqa: E402
 from cs3ray.serve.vllm_export import export_path  # noqa: E402
 
+from helpers.prometheus import scrape  # noqa: E402
 from helpers.serve_checkpoints import make_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -83,6 +84,23 @@ def test_openai_client_completions_chat_stream_and_token(served):
         client(url, "wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
     assert err.value.status_code == 401
     assert health(url)["status"] == "ok"
+
+
+def test_engine_metrics_reach_the_prometheus_endpoint(served, ray_head):
+    from cs3ray.serve.metrics import SERVE_METRICS
+
+    url, _, _ = served
+    list(client(url).completions.create(model=NAME, prompt="x", max_tokens=6, stream=True,
+                                        extra_body={"ignore_eos": True}))
+    deadline, counts = time.time() + 60, {}
+    while time.time() < deadline and not {"ttft_ms_count", "itl_ms_count", "generated_tokens_total"} <= counts.keys():
+        found = scrape(ray_head.metrics_url, "ray_cs3_serve_")
+        counts = {s.name.removeprefix("ray_cs3_serve_"): s.value for samples in found.values() for s in samples
+                  if s.labels.get("application") == NAME and s.value > 0}  # this app's replicas only
+        time.sleep(0.5)
+    assert counts.get("ttft_ms_count", 0) >= 1 and counts.get("generated_tokens_total", 0) >= 6, counts
+    assert counts.get("itl_ms_count", 0) >= 5, counts
+    assert {f"ray_{k}" for k in SERVE_METRICS} <= found.keys()  # the gauges too
 
 
 def test_follow_rolls_over_to_a_newer_checkpoint_without_failed_requests(served):
