@@ -17,6 +17,7 @@ from cs3ray.errors import UserError
 from cs3ray.models import ByteTokenizer
 from cs3ray.serve import vllm_engine
 from cs3ray.serve.deploy import make_spec, placement
+from cs3ray.serve.launch import cluster_cpus
 from cs3ray.serve.vllm_engine import MISSING, VLLMOptions, require_vllm
 from cs3ray.serve.vllm_export import CS3_CONFIG, CS3_TOKENIZER, cached_export, export_path, run_key
 from cs3ray_cli.main import app
@@ -99,6 +100,7 @@ def test_vllm_start_arguments_and_placement():
     assert split["placement_group_bundles"] == [{"CPU": 2}] + [{"GPU": 1}] * 8
     assert placement(ServeConfig(engine="vllm", num_gpus=1)) == {}  # one device: the replica's own
     assert placement(ServeConfig(engine="vllm", tp=2))["placement_group_bundles"][1:] == [{"CPU": 1}] * 2
+    assert cluster_cpus(ServeConfig(engine="vllm", tp=2, replicas=2)) == 2 * (1 + 2) + 1  # room for the workers
 
 
 def test_export_is_cached_per_run_and_step_with_the_tokenizer_and_eos(tmp_path):
