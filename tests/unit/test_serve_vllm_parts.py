@@ -25,6 +25,7 @@ from cs3ray_cli.main import app
 from helpers.serve_checkpoints import make_checkpoint
 
 SECRET = "s3cr3t-value"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_arguments_split_into_storage_options_and_serve_overrides():
@@ -124,3 +125,18 @@ def test_export_is_cached_per_run_and_step_with_the_tokenizer_and_eos(tmp_path):
     assert newer.step == 2 and newer.created and Path(newer.path).parent == where.parent
     assert not [p for p in where.parent.iterdir() if p.name.startswith(".tmp-")]  # no partial export left
     assert run_key(str(run)) != run_key(str(tmp_path / "other" / "run"))  # runs named alike stay apart
+
+
+def test_serve_job_and_rayservice_builder_take_the_serve_section(tmp_path, capsys):
+    run = tmp_path / "run"
+    make_checkpoint(run, step=1)
+    spec = importlib.util.spec_from_file_location("serve_job", ROOT / "jobs" / "serve.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.main([str(run), "--host", "127.0.0.1", "serve.tp=2", "storage.options.anon=false"]) == 2
+    assert "serve.tp=2 and serve.pp=1 split a model" in capsys.readouterr().err  # parsed and checked
+    from jobs.serve_app import ServeAppArgs
+    from jobs.serve_app import app as builder
+
+    with pytest.raises(UserError, match="serve.pp: Input should be greater than or equal to 1"):
+        builder(ServeAppArgs(run=str(run), insecure=True, serve={"engine": "builtin", "pp": 0}))
