@@ -28,6 +28,12 @@ StorageOverridesArg = typer.Argument(None, metavar="storage.options.KEY=VALUE", 
                                      help="Storage options for reading the run (dots for nested keys, e.g. "
                                           "storage.options.client_kwargs.endpoint_url=URL); credentials may also "
                                           "come from the environment (AWS_ACCESS_KEY_ID, ~/.aws, ...).")
+# `cs3 serve` and `cs3 generate` also take the run's serve section (cs3ray.config.runtime_serve_options).
+ServeOverridesArg = typer.Argument(None, metavar="[serve.KEY=VALUE | storage.options.KEY=VALUE]...", show_default=False,
+                                   help="serve.KEY=VALUE overrides of the run's serve section (e.g. serve.engine=vllm "
+                                        "serve.tp=2; `cs3 config explain` lists them), and storage options for reading "
+                                        "the run (dots for nested keys, e.g. storage.options.client_kwargs.endpoint_url"
+                                        "=URL); credentials may also come from the environment.")
 StorageOptionsOpt = typer.Option(None, "--storage-options",
                                  help="fsspec storage options as JSON; storage.options.KEY=VALUE arguments go on top.")
 # A stored file names locations but never makes us contact them (they would get the user's credentials):
@@ -42,9 +48,12 @@ StoredReplicasOpt = typer.Option(False, "--use-stored-replicas",
 
 def fail(message: str, code: int = 2) -> None:
     """Print one line to stderr and exit; a URL's password in it (a storage error names its URL) is hidden."""
+    from rich.markup import escape
+
     from cs3ray.config.redact import redact_value
 
-    err_console.print(f"[bold red]error:[/] {redact_value(message)}", highlight=False, soft_wrap=True)
+    # Escaped: text in brackets (an extra such as [vllm], a list) is the message's, not rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(redact_value(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

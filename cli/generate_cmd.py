@@ -6,12 +6,12 @@ from typing import Optional
 
 import typer
 
-from .common import ReplicaOpt, StorageOptionsOpt, StorageOverridesArg, StoredReplicasOpt, console, user_errors
+from .common import ReplicaOpt, ServeOverridesArg, StorageOptionsOpt, StoredReplicasOpt, console, user_errors
 
 
 @user_errors
 def generate(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL."),
-             storage: Optional[list[str]] = StorageOverridesArg,
+             storage: Optional[list[str]] = ServeOverridesArg,
              prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue."),
              max_tokens: int = typer.Option(64, min=1, help="Tokens to generate."),
              temperature: float = typer.Option(0.8, min=0.0, help="0 means greedy."),
@@ -28,16 +28,27 @@ def generate(run: str = typer.Argument(..., help="Run name (under runs/), run di
              storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Continue PROMPT with the newest checkpoint of RUN."""
     from cs3ray.ckpt import load_for_inference
-    from cs3ray.config import runtime_storage_options
+    from cs3ray.config import runtime_serve_options
     from cs3ray.core.precision import inference_dtype
     from cs3ray.models.generate import SamplingParams
+    from cs3ray.serve.deploy import merged_serve
 
     where = pick_device(device)  # a bad name or a missing GPU is refused before loading
-    wanted = inference_dtype(dtype, where) if dtype else None
-    loaded = load_for_inference(run, runtime_storage_options(storage or [], storage_options), trust_code=trust_code,
+    options, values = runtime_serve_options(storage or [], storage_options)
+    if dtype:
+        values["dtype"] = dtype
+    if values.get("engine") == "vllm":
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        text = generate_vllm(run, options, values | ({"num_gpus": values.get("num_gpus") or 1.0}
+                                                     if where.type == "cuda" else {}),
+                             prompt, params, trust_code, replica or [], use_stored_replicas)
+        console.print(prompt + text, highlight=False, markup=False, soft_wrap=True)
+        return
+    loaded = load_for_inference(run, options, trust_code=trust_code,
                                 replicas=replica or [], stored_replicas=use_stored_replicas)
+    serve_cfg = merged_serve(loaded.config.serve, values)  # serve.KEY=VALUE checked as `cs3 serve` checks them
     # Whatever precision the run trained in: the checkpoint holds fp32 weights, cast here.
-    loaded.model.to(device=where, dtype=wanted or inference_dtype(loaded.config.serve.dtype, where))
+    loaded.model.to(device=where, dtype=inference_dtype(serve_cfg.dtype, where))
     budget = loaded.model.args.max_seq_len - len(loaded.tokenizer.encode(prompt)) - 1
     if budget <= 0:
         raise typer.BadParameter(f"the prompt is longer than the model's context ({loaded.model.args.max_seq_len} tokens)")
@@ -67,3 +78,14 @@ def generate_text(*args, **kwargs) -> str:
     from cs3ray.models.generate import generate_text as sample
 
     return sample(*args, **kwargs)
+
+
+def generate_vllm(run: str, options: dict, values: dict, prompt: str, params, trust_code: bool,
+                  replicas: list[str], stored_replicas: bool) -> str:
+    """serve.engine=vllm: the same continuation through vLLM over the checkpoint's HF export (cached per step)."""
+    from cs3ray.serve.deploy import make_spec
+    from cs3ray.serve.vllm_replica import generate_once
+
+    spec = make_spec(run, name="generate", overrides=values, storage_options=options, trust_code=trust_code,
+                     ckpt_replicas=replicas, stored_replicas=stored_replicas)
+    return generate_once(spec, prompt, params)

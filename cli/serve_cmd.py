@@ -18,8 +18,8 @@ from cs3ray.ops.cluster_record import recorded_cluster
 from .common import (
     AddressOpt,
     ReplicaOpt,
+    ServeOverridesArg,
     StorageOptionsOpt,
-    StorageOverridesArg,
     StoredReplicasOpt,
     console,
     user_errors,
@@ -32,7 +32,7 @@ STOP = "stop"
 def serve(run: str = typer.Argument(..., help="Run name (under runs/), run directory or checkpoint folder/URL; "
                                               "or 'stop' to delete the app named by --name (a run called "
                                               "stop: runs/stop)."),
-          storage: Optional[list[str]] = StorageOverridesArg,
+          storage: Optional[list[str]] = ServeOverridesArg,
           port: int = typer.Option(8000, min=1, max=65535, help="HTTP port of Serve's proxy."),
           host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for every interface)."),
           replicas: Optional[int] = typer.Option(None, min=1, help="Replicas (default: serve.replicas of the config)."),
@@ -64,7 +64,7 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
           address: Optional[str] = AddressOpt,
           storage_options: Optional[str] = StorageOptionsOpt) -> None:
     """Serve RUN's newest checkpoint with an OpenAI-compatible API until Ctrl-C / SIGTERM."""
-    from cs3ray.config import runtime_storage_options
+    from cs3ray.config import runtime_serve_options
     from cs3ray.serve.deploy import check_tls_ingress, make_spec, pick_token
     from cs3ray.serve.launch import run_app
 
@@ -73,11 +73,12 @@ def serve(run: str = typer.Argument(..., help="Run name (under runs/), run direc
         return
     if haproxy:
         use_haproxy(address)
+    options, values = runtime_serve_options(storage or [], storage_options)
+    given = {"replicas": replicas, "dtype": dtype, "max_batch": max_batch, "tls_cert": tls_cert, "tls_key": tls_key}
     spec = make_spec(run, name=name, token=pick_token(token, token_file), follow=follow, host=host,
                      insecure=insecure, trust_code=trust_code,
-                     overrides={"replicas": replicas, "dtype": dtype, "max_batch": max_batch,
-                                "tls_cert": tls_cert, "tls_key": tls_key},
-                     storage_options=runtime_storage_options(storage or [], storage_options),
+                     overrides=values | {k: v for k, v in given.items() if v is not None},  # the options win
+                     storage_options=options,
                      ckpt_replicas=ckpt_replica or [], stored_replicas=use_stored_replicas, log_format=log_format)
     if spec.serve.tls_cert:
         check_tls_ingress()  # before a cluster starts

@@ -1,4 +1,4 @@
-"""Entry point for `ray job submit --working-dir . -- python jobs/serve.py RUN [storage.options.K=V...] [--follow]`.
+"""Entry point for `ray job submit --working-dir . -- python jobs/serve.py RUN [serve.K=V...] [storage.options.K=V...] [--follow]`.
 
 Inside a Ray job, RAY_ADDRESS points at the cluster, so the app is deployed there, beside any
 training job. The job stays up until `ray job stop`, which sends SIGTERM: the app is deleted.
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cs3ray.config import runtime_storage_options  # noqa: E402
+from cs3ray.config import runtime_serve_options  # noqa: E402
 from cs3ray.errors import UserError  # noqa: E402
 from cs3ray.serve.deploy import make_spec, pick_token  # noqa: E402
 from cs3ray.serve.launch import run_app  # noqa: E402
@@ -21,8 +21,9 @@ from cs3ray.serve.launch import run_app  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a cs3ray run on the current Ray cluster.")
     parser.add_argument("run", help="run directory, run name or checkpoint folder/URL")
-    parser.add_argument("storage", nargs="*", metavar="storage.options.KEY=VALUE",
-                        help="storage options for reading the run (credentials may come from the nodes' environment)")
+    parser.add_argument("storage", nargs="*", metavar="serve.KEY=VALUE | storage.options.KEY=VALUE",
+                        help="overrides of the run's serve section (e.g. serve.engine=vllm serve.tp=2), and storage "
+                             "options for reading the run (credentials may come from the nodes' environment)")
     parser.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy")
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
@@ -53,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="also fall back to the checkpoint.replicas the run's stored config lists")
     args = parser.parse_intermixed_args(argv)  # storage options may come after other options
     try:
+        options, values = runtime_serve_options(args.storage, args.storage_options)
+        given = {"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
+                 "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                 "target_ongoing_requests": args.target_ongoing_requests,
+                 "tls_cert": args.tls_cert, "tls_key": args.tls_key}
         spec = make_spec(args.run, name=args.name, token=pick_token(args.token, args.token_file), follow=args.follow,
                          host=args.host, insecure=args.insecure, trust_code=args.trust_code,
-                         overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
-                                    "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                                    "target_ongoing_requests": args.target_ongoing_requests,
-                                    "tls_cert": args.tls_cert, "tls_key": args.tls_key},
-                         storage_options=runtime_storage_options(args.storage, args.storage_options),
+                         overrides=values | {k: v for k, v in given.items() if v is not None},  # the options win
+                         storage_options=options,
                          ckpt_replicas=args.ckpt_replica, stored_replicas=args.use_stored_replicas,
                          log_format=args.log_format)
         run_app(spec, args.host, args.port, address=os.environ.get("RAY_ADDRESS", "auto"),

@@ -36,6 +36,8 @@ class ServeAppArgs(BaseModel):
     follow: bool = False
     max_batch: int | None = None
     storage_options: dict | None = None  # non-secret fsspec options; credentials from the nodes' environment
+    # The run's serve section, as `cs3 serve RUN serve.KEY=VALUE` sets it: e.g. {engine: vllm, tp: 2, num_gpus: 1}.
+    serve: dict | None = None
     insecure: bool = False
     trust_code: bool = False
     log_format: Literal["text", "json"] | None = None  # replica logs (default: the run's run.log_format)
@@ -47,8 +49,9 @@ def app(args: ServeAppArgs):
     # the API needs a token as jobs/serve.py's default host does.
     spec = make_spec(args.run, name=args.name, token=os.environ.get("CS3_SERVE_TOKEN"), follow=args.follow,
                      host="0.0.0.0", insecure=args.insecure, trust_code=args.trust_code,
-                     overrides={"replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
-                                "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                                "target_ongoing_requests": args.target_ongoing_requests},
+                     overrides=(args.serve or {}) | {k: v for k, v in {
+                         "replicas": args.replicas, "dtype": args.dtype, "max_batch": args.max_batch,
+                         "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                         "target_ongoing_requests": args.target_ongoing_requests}.items() if v is not None},
                      storage_options=args.storage_options, log_format=args.log_format)
     return build_app(spec)

@@ -8,6 +8,7 @@ from .loader import (
                      explain,
                      load_config,
                      redact_config_text,
+                     runtime_serve_options,
                      runtime_storage_options,
                      stored_config,
                      to_yaml,
@@ -18,4 +19,4 @@ from .schema import JobConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "build_config", "config_hash", "explain",
            "load_config", "open_run", "redact_config", "redact_config_text", "redact_options", "resolve_run",
-           "run_dir", "runtime_storage_options", "stored_config", "to_yaml"]
+           "run_dir", "runtime_serve_options", "runtime_storage_options", "stored_config", "to_yaml"]

@@ -199,6 +199,31 @@ def runtime_storage_options(overrides: Iterable[str] = (), json_text: str | None
     return options
 
 
+SERVE = "serve"
+
+
+def runtime_serve_options(overrides: Iterable[str] = (), json_text: str | None = None) -> tuple[dict, dict]:
+    """The arguments after RUN of commands that serve a run (`cs3 serve`, `cs3 generate`): storage options
+    as runtime_storage_options takes them, and serve.KEY=VALUE overrides of the run's serve section;
+    returns (storage options, {KEY: value}). The values are checked where the serve section is built."""
+    storage, serve = [], []
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if key.startswith(SERVE + "."):
+            serve.append(text)
+        elif key == STORAGE_OPTIONS or key.startswith(STORAGE_OPTIONS + "."):
+            storage.append(text)
+        else:  # only the key: a mistyped option's value may be a credential
+            raise ConfigError(f"argument '{key}' is not a storage option nor a serve override: this command takes "
+                              "only storage.options.KEY=VALUE and serve.KEY=VALUE (e.g. serve.engine=vllm) after "
+                              "the run.")
+    values = apply_overrides({}, serve).get(SERVE, {})
+    nested = next((k for k, v in values.items() if isinstance(v, dict)), None)
+    if nested is not None:
+        raise ConfigError(f"serve.{nested} is a field, not a section: write serve.{nested}=VALUE.")
+    return runtime_storage_options(storage, json_text), values
+
+
 def explain(model: type[BaseModel] = JobConfig, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted name, default, description) for every field, sections expanded."""
     rows: list[tuple[str, str, str]] = []

