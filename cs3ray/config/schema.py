@@ -95,6 +95,9 @@ class DataConfig(Section):
         "direct", description="How each rank's exact slice of the global order reaches it: 'direct' (the worker "
                               "reads it through the node's cache) or 'ray_data' (Ray Data tasks on the worker's "
                               "node read, decode and transform it; the order and resume stay exact).")
+    loader_cpus: float = Field(
+        0.25, ge=0, description="CPUs each Ray Data task of data.loader=ray_data reserves (two per worker run at "
+                                "once, on its node, beside the workers' own CPUs); 0 reserves none.")
     transform: str | None = Field(
         None, description="Your batch transform 'pkg.module:fn', called with {'tokens': (rows, seq_len+1) int64} "
                           "and returning the same shape; runs in Ray Data tasks with data.loader=ray_data.")

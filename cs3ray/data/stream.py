@@ -39,6 +39,7 @@ from cs3ray.storage import Storage, open_url
 
 from .cache import TieredCache, from_config
 from .corpus import DataError
+from .rows import DecodedShards
 from .shards import TOKEN_COLUMN, read_manifest
 from .trace import TraceWriter
 from .transform import load_transform
@@ -115,14 +116,15 @@ def decode_shard(data: bytes) -> np.ndarray:
     return raw.view("<u2").reshape(len(col), width // 2)
 
 
-def gather(order: GlobalOrder, ids: np.ndarray, shard: Callable[[int], np.ndarray]) -> np.ndarray:
-    """The (len(ids), seq_len+1) int64 rows of sample `ids`, with `shard(s)` giving shard s's decoded rows."""
+def gather(order: GlobalOrder, ids: np.ndarray, shard: Callable[[int], np.ndarray],
+           dtype: type = np.int64) -> np.ndarray:
+    """The (len(ids), seq_len+1) rows of sample `ids` as `dtype`, with `shard(s)` giving shard s's decoded rows."""
     where, row = order.locate(ids)
-    batch = np.empty((len(ids), 0), dtype=np.int64)
+    batch = np.empty((len(ids), 0), dtype=dtype)
     for s in np.unique(where):
         tokens = shard(int(s))
         if batch.shape[1] == 0:
-            batch = np.empty((len(ids), tokens.shape[1]), dtype=np.int64)
+            batch = np.empty((len(ids), tokens.shape[1]), dtype=dtype)
         mask = where == s
         batch[mask] = tokens[row[mask]]
     return batch
@@ -175,7 +177,9 @@ class TrainStream:
         self.rank = ctx_rank if rank is None else rank
         self.world = ctx_world if world is None else world
         source: Storage = open_url(shards_url, storage_options)
-        entries = read_manifest(source)["splits"]["train"]
+        manifest = read_manifest(source)
+        entries = manifest["splits"]["train"]
+        self.width = int(manifest["seq_len"]) + 1  # tokens a sample row holds
         self.order = GlobalOrder(entries, seed, int(cache_cfg.get("shuffle_window", DEFAULT_WINDOW)))
         if self.order.total < self.world * batch_size:
             raise DataError(f"the train split holds {self.order.total} samples, fewer than one step of "
@@ -193,7 +197,7 @@ class TrainStream:
         self.transform = load_transform(self.transform_spec)
         self.cache: TieredCache = from_config(source, entries, cache_cfg)
         self.ahead = int(cache_cfg.get("prefetch", 4))
-        self._decoded: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._decoded = DecodedShards(keep=2 * self.order.window)  # a batch spans at most two windows
         self._window_key: tuple[int, int] | None = None
         if cache_cfg.get("warm") and first_on_node:
             self._warm()
@@ -282,15 +286,7 @@ class TrainStream:
                                 if s not in self._decoded)
 
     def _shard(self, s: int) -> np.ndarray:
-        tokens = self._decoded.get(s)
-        if tokens is None:
-            tokens = decode_shard(self.cache.get(self.order.files[s]))
-            self._decoded[s] = tokens
-            while len(self._decoded) > 2 * self.order.window:  # a batch spans at most two windows
-                self._decoded.popitem(last=False)
-        else:
-            self._decoded.move_to_end(s)
-        return tokens
+        return self._decoded.get(s, lambda: decode_shard(self.cache.get(self.order.files[s])))
 
     def state(self) -> dict[str, Any]:
         """JSON-able position for checkpoints: the global sample offset plus what defines the order."""

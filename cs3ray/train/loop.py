@@ -384,7 +384,8 @@ class Worker:
         if cfg.data.loader == "ray_data":
             # Planned up to the last step; a redone step or a re-split continues in a new pipeline.
             horizon = max(1, (cfg.train.steps - p.step) * self.plan.grad_accum)
-            return RayDataStream(self.plan.micro_batch, cfg.train.seed, p.data_position, horizon=horizon, **args)
+            return RayDataStream(self.plan.micro_batch, cfg.train.seed, p.data_position, horizon=horizon,
+                                 cpus=cfg.data.loader_cpus, **args)
         return TrainStream(self.plan.micro_batch, cfg.train.seed, p.data_position, **args)
 
     def _pipeline_info(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 
 PIDS = Path(tempfile.gettempdir()) / "cs3-test-transform-pids"
 FAILED_ONCE = Path(tempfile.gettempdir()) / "cs3-test-transform-failed-once"  # the test removes it first
+RESOURCES = Path(tempfile.gettempdir()) / "cs3-test-transform-resources"
 FAIL_AT = 6  # the batch of a process at which fail_once raises
 _calls = [0]
 
@@ -22,6 +24,15 @@ def _mark() -> None:
 def record_pid(batch: dict) -> dict:
     """The identity, noting where it ran."""
     _mark()
+    return batch
+
+
+def record_resources(batch: dict) -> dict:
+    """The identity, noting the resources Ray assigned to the task it ran in."""
+    import ray
+
+    RESOURCES.mkdir(parents=True, exist_ok=True)
+    (RESOURCES / str(os.getpid())).write_text(json.dumps(ray.get_runtime_context().get_assigned_resources()))
     return batch
 
 

@@ -2,18 +2,18 @@
 
 Each read task runs on some node of the cluster and reads its shard with that node's
 process cache (L1) and shared disk directory (L2), so a second pass over the data never
-goes back to object storage. Rows are the shards' samples (column 'tokens').
+goes back to object storage. Rows are the shards' samples (column 'tokens'), decoded in the read
+task into a fixed-shape uint16 tensor column (cs3ray.data.rows), which Ray Data hands to numpy
+consumers as one (rows, seq_len+1) array without a copy.
 """
 
 from __future__ import annotations
 
-import io
-
-import pyarrow.parquet as pq
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from ..shards import TOKEN_COLUMN
+from ..rows import rows_table
+from ..stream import decode_shard
 from .tiered import node_cache
 
 
@@ -38,7 +38,7 @@ class CachedShardsDatasource(Datasource):
                 # A read task may be this worker's last for a long while: write its counters now
                 # (one small file per shard read), not only every few seconds.
                 cache.writer.flush()
-                yield pq.read_table(io.BytesIO(data), columns=[TOKEN_COLUMN])
+                yield rows_table(decode_shard(data))
 
             meta = BlockMetadata(num_rows=entry["samples"], size_bytes=entry["bytes"],
                                  input_files=(f"{url}/{entry['file']}",), exec_stats=None)
