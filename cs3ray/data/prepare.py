@@ -33,7 +33,6 @@ import functools
 import hashlib
 import itertools
 import json
-import logging
 import os
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -45,6 +44,7 @@ from cs3ray.storage import Storage, StorageError
 
 from .corpus import Corpus, DataError, LineError, Piece
 from .peak_rss import PeakRss
+from .ray_settings import ray_data_settings
 from .shards import (
     BPE_BATCH,
     MANIFEST,
@@ -324,25 +324,6 @@ def _task_options(local: bool) -> dict[str, Any]:
     return {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
 
 
-@contextlib.contextmanager
-def _ordered(progress_bars: bool) -> Iterator[None]:
-    """Ray Data settings of this preparation: results in input order; Ray Data's bars and its per-dataset
-    log lines only when asked (the caller shows progress through its callbacks otherwise)."""
-    import ray
-
-    ctx = ray.data.DataContext.get_current()
-    logger = logging.getLogger("ray.data")
-    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level
-    ctx.execution_options.preserve_order, ctx.enable_progress_bars = True, progress_bars
-    if not progress_bars:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved[:2]
-        logger.setLevel(saved[2])
-
-
 def _tokenize(corpus: Corpus, tok: Tokenizer, staging: Storage, max_bytes: int,
               progress: Callable[[int], None] | None, parallelism: int, piece_bytes: int | None) -> _Layout:
     """Tokenize the corpus into runs in `staging`; the stream's layout, up to the document that reaches
@@ -491,7 +472,7 @@ def _prepare(corpus: Corpus, dest: Storage, spec: ShardSpec, progress: Callable[
     staging = dest.child(STAGING)
     staging.rm(missing_ok=True)  # an interrupted earlier preparation's runs: made again
     try:
-        with _ordered(progress_bars):
+        with ray_data_settings(preserve_order=True, progress_bars=progress_bars):
             stream = _tokenize(corpus, tok, staging, spec.max_bytes, progress, workers, piece_bytes)
         layout = shard_layout(stream.tokens, corpus.spec, spec)
         ray.get(ray.remote(_plan).options(**_task_options(_is_local(dest))).remote(stream.tokens, corpus.spec,
