@@ -66,6 +66,6 @@ def preemption_cause(event: dict[str, Any]) -> str:
     if event.get("notice") == "sigterm":
         return f"preemption: worker {event.get('rank')} received SIGTERM at step {event.get('step')}"
     nodes = ", ".join(n[:12] for n in event.get("nodes", []))
-    notice = (f"{event['deadline'] - event['wall']:.0f} s before its deadline" if event.get("deadline")
+    notice = (f"with {event['deadline'] - event['wall']:.0f} s left to its deadline" if event.get("deadline")
               else "without a deadline")
-    return f"preemption: node {nodes} was being drained (noticed {notice})"
+    return f"preemption: node {nodes} drained {notice}"

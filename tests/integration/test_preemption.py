@@ -110,7 +110,7 @@ def test_a_drained_node_and_a_sigterm_cost_no_step(spot_cluster, tmp_path):
     assert summary["steps"] == STEPS and len(snaps) == 2 and restored == snaps
     causes = summary["restart_causes"]
     assert causes[0] == next(e for e in events if e["event"] == "restart")["cause"]
-    assert causes[0].startswith(f"preemption: node {spot.node_id[:12]} was being drained (noticed ")
+    assert causes[0].startswith(f"preemption: node {spot.node_id[:12]} drained with ")
     assert causes[1] == f"preemption: worker 1 received SIGTERM at step {snaps[1]}"
     # What the workers trained on is the global order's first STEPS batches, each once.
     from cs3ray.bench.recovery import data_audit

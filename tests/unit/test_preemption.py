@@ -94,8 +94,17 @@ def test_a_preemption_names_the_restart_before_the_error_that_ended_the_group():
     why.before({"event": "preemption", "wall": 10.0, "notice": "drain", "nodes": ["f00d" * 7], "deadline": 30.0})
     why.before(failure_event(1, 12, Preempted("the node was drained")))
     restart = why.before({"event": "start", "workers": 2, "step": 12, "wall": 40.0})
-    assert restart["cause"] == f"preemption: node {('f00d' * 7)[:12]} was being drained (noticed 20 s before its deadline)"
+    assert restart["cause"] == f"preemption: node {('f00d' * 7)[:12]} drained with 20 s left to its deadline"
     why.before({"event": "preemption", "wall": 50.0, "notice": "sigterm", "rank": 1, "step": 15})
     assert why.before({"event": "start", "workers": 2, "step": 15})["cause"] == (
         "preemption: worker 1 received SIGTERM at step 15")
     assert why.before({"event": "start", "workers": 2, "step": 15})["cause"].startswith("a worker process died")
+
+
+def test_cs3_train_prints_the_notice_as_it_comes(capsys):
+    from cs3ray_cli.train_cmd import TrainProgress
+
+    with TrainProgress(10, enabled=True) as progress:
+        progress({"event": "preemption", "wall": 10.0, "notice": "drain", "nodes": ["ab" * 14], "deadline": 30.0})
+    assert (f"preemption: node {('ab' * 14)[:12]} drained with 20 s left to its deadline: taking a snapshot of the "
+            "current step") in " ".join(capsys.readouterr().err.split())
