@@ -57,6 +57,10 @@ class TrainProgress:
             self.bar.console.print("stopping: taking a checkpoint (Ctrl-C again to abort)")
         elif kind == "restart":
             self.bar.console.print(f"restart {e['attempt']}: {e['cause']}", highlight=False)
+        elif kind == "preemption":
+            from cs3ray.train.restarts import preemption_cause
+
+            self.bar.console.print(f"{preemption_cause(e)}: taking a snapshot of the current step", highlight=False)
         elif kind == "restored":
             self.bar.console.print(f"resumed from step {e['step']}")
 

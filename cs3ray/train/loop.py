@@ -34,6 +34,7 @@ from cs3ray.storage import open_url
 
 from .balance import Balancer
 from .elastic import plan_batch
+from .preemption import SIGTERM_RECEIVED, Preempted, wait_for_teardown
 from .replicas import ReplicaSync, load_in_place
 from .restarts import failure_event
 from .snapshots import END, STEPS, SnapshotClock, trigger
@@ -266,6 +267,7 @@ class Worker:
         balancer = Balancer([self.plan.micro_batch] * self.topo.dp) if t.balance and self.topo.dp > 1 else None
         self._balance_mark = (time.perf_counter(), self.core.busy.seconds, p.step)
         snapshots = SnapshotClock(cfg.checkpoint.every_minutes)
+        sigterm_told = False
         while p.step < t.steps:
             t0 = time.perf_counter()
             if self.sync is not None:
@@ -277,7 +279,8 @@ class Worker:
             track = p.step == first_step + 1
             tracked = tracked or track
             loss, ok = self.core.step(next_batch, lr, track_memory=track)
-            stop_flag = 1.0 if self.reporter and self._stop_requested() else 0.0
+            stop_flag, drain_s = self._control() if self.reporter else (False, None)
+            stop_flag = 1.0 if stop_flag else 0.0
             # The reporter's vote for a checkpoint.every_minutes snapshot rides on this step's all-reduce,
             # so every rank snapshots at the same step without a collective of its own (train/snapshots.py).
             due_flag = 1.0 if self.reporter and snapshots.due() else 0.0
@@ -286,18 +289,25 @@ class Worker:
                     self.stream.seek(start)
                     continue
                 loss_sum, stop, due = (v * participants for v in self.sync.average([loss, stop_flag, due_flag]))
+                drained = terminated = 0.0  # replicas ride out a lost node or process: no preemption snapshot
             else:
+                # Preemption votes ride along too (train/preemption.py): the reporter's drain notice, with the
+                # seconds left before its deadline, and any rank's SIGTERM.
+                drain_flag = 0.0 if drain_s is None else 1.0
+                term_flag = 1.0 if SIGTERM_RECEIVED.is_set() else 0.0
                 # Weighted by the rows each rank took (train.balance; 1 on every rank otherwise).
-                loss_sum, stop, due = _all_reduce([loss * self.core.sample_weight, stop_flag, due_flag], self.device)
+                loss_sum, stop, due, drained, drain_left, terminated = _all_reduce(
+                    [loss * self.core.sample_weight, stop_flag, due_flag, drain_flag, drain_s or 0.0, term_flag],
+                    self.device)
+                if term_flag and not sigterm_told:
+                    sigterm_told = self._tell_sigterm(p.step + 1)
+            preempted = drained >= 0.5 or terminated >= 0.5
             p.step += 1
             set_step(p.step)
             # One rank per tensor-parallel group traces: its ranks read the same samples.
             self.stream.trace_step(p.step, write=self.topo.tp_rank == 0 and self.topo.pp_rank == 0)
             p.tokens_seen += tokens_per_step
             window_steps += 1
-            # The preemption check is a barrier of all workers; replicas ride out a lost node anyway.
-            preempted = (self.sync is None and p.step % t.log_every == 0
-                         and ray.train.get_preemption_info() is not None)
             step_time = time.perf_counter() - t0
             if len(step_s) < STEP_TIMES_KEPT:
                 step_s.append(round(step_time, 6))
@@ -325,8 +335,6 @@ class Worker:
                 self._event("eval", step=p.step, val_loss=p.val_loss)
             why = trigger(p.step, cfg.checkpoint.every, t.steps, timed=due >= 0.5, stop=bool(stop), preempted=preempted)
             if why is not None:
-                if preempted:
-                    self._event("preemption", step=p.step)  # snapshot now, before the node goes away
                 if self.sync is None or self.reporter:  # replicas are identical: one of them writes
                     self.save(why)
                 snapshots.taken()
@@ -334,6 +342,8 @@ class Worker:
             if stop:
                 stopped = True
                 break
+            if preempted and p.step < t.steps:
+                self._end_preempted(drained >= 0.5, drain_left)
         if last_ckpt != p.step and (self.sync is None or self.reporter):
             self.save(END)
         self.ckpt.close()  # an async final snapshot is on storage before the workers exit
@@ -426,10 +436,31 @@ class Worker:
         self.stream.seek(start, rank, n, plan.micro_batch)
         return n, start
 
-    def _stop_requested(self) -> bool:
+    def _control(self) -> tuple[bool, float | None]:
+        """The monitor's answer (one call, by the reporter only): stop?, and seconds left before a drain's deadline
+        (0: a drain without one) or None."""
         import ray
 
-        return self.monitor is not None and ray.get(self.monitor.should_stop.remote())
+        return (False, None) if self.monitor is None else ray.get(self.monitor.control.remote())
+
+    def _tell_sigterm(self, step: int) -> bool:
+        """This rank got SIGTERM: the monitor hears it from this rank (any rank may be the one), once."""
+        if self.monitor is not None:
+            self.monitor.record.remote({"event": "preemption", "wall": time.time(), "notice": "sigterm",
+                                        "rank": self.rank, "step": step})
+        return True
+
+    def _end_preempted(self, drained: bool, drain_left: float) -> None:
+        """The snapshot of this step is taken: make it durable, then end this attempt without training on.
+
+        A drain: Ray Train ends the group at the deadline (or when the drained node is lost) and restarts it on
+        the remaining nodes; until then this rank waits. A SIGTERM: the group ends now."""
+        self.ckpt.wait()  # an async snapshot is committed before anything ends
+        step = self.progress.step
+        if drained:
+            now = time.time()
+            wait_for_teardown(now + drain_left if drain_left > 0 else None, now, step)
+        raise Preempted(f"a worker received SIGTERM; the snapshot of step {step} is taken")
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

@@ -6,6 +6,9 @@ rank 0 binds the listening socket itself, on its node's address (127.0.0.1 on a 
 and hands it to the store (`master_listen_fd`); the other ranks connect to that address as before.
 Holding the socket from the moment the port is chosen also closes the window in which another
 process could take the port.
+
+The backend also installs the preemption SIGTERM handler in every worker (train/preemption.py): only a
+process's main thread may, and a worker actor runs `execute` there, not in the training thread.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+
+from .preemption import install_sigterm_handler
 
 # Rank 0's bound listener, from `_listen` until `_join` hands it to the store (one actor = one process).
 _LISTENER: socket.socket | None = None
@@ -62,6 +67,7 @@ class _BoundStoreBackend(_TorchBackend):
         backend = backend_config.backend or "gloo"
         addr, port = worker_group.execute_single(0, _listen)
         worker_group.execute(_set_torch_distributed_env_vars)  # LOCAL_RANK, RANK, WORLD_SIZE, as Ray sets them
+        worker_group.execute(install_sigterm_handler)  # SIGTERM: a snapshot of the step, then the group ends
         n = len(worker_group)
         # Positional: execute_single_async's own first parameter is called `rank`.
         ray.get([worker_group.execute_single_async(i, _join, backend, i, n, addr, port, backend_config.timeout_s)

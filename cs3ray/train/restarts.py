@@ -4,7 +4,8 @@ A worker that fails reports its error to the run's monitor before its exception 
 (`failure` events); when the restarted group starts, the monitor puts a `restart` event before its
 `start` with the last failure's error, or, when none was reported, what else ends a group: a
 resize to another worker count, or a process that died without a word (SIGKILL, the OOM killer, a
-lost node).
+lost node). A preemption notice (`preemption` events: a drained node, a SIGTERM) names the restart that
+follows it, before any error the group's end raised.
 """
 
 from __future__ import annotations
@@ -29,20 +30,27 @@ class RestartExplainer:
         self.starts = 0
         self.workers: int | None = None
         self.failure: dict[str, Any] | None = None
+        self.preemption: dict[str, Any] | None = None
 
     def before(self, event: dict[str, Any]) -> dict[str, Any] | None:
         kind = event.get("event")
         if kind == "failure":
             self.failure = self.failure or event  # the first error of an attempt is its cause
             return None
+        if kind == "preemption":
+            self.preemption = self.preemption or event
+            return None
         if kind != "start":
             return None
         self.starts += 1
         previous, self.workers = self.workers, event.get("workers")
         failure, self.failure = self.failure, None
+        preemption, self.preemption = self.preemption, None
         if self.starts == 1:
             return None
-        if failure is not None:
+        if preemption is not None:
+            cause = preemption_cause(preemption)
+        elif failure is not None:
             where = f" at step {failure['step']}" if failure.get("step") is not None else ""
             cause = f"worker {failure['rank']} failed{where}: {failure['error']}"
         elif previous is not None and event.get("workers") != previous:
@@ -51,3 +59,13 @@ class RestartExplainer:
             cause = DIED
         return {"event": "restart", "wall": event.get("wall", time.time()), "attempt": self.starts - 1,
                 "step": event.get("step"), "cause": cause}
+
+
+def preemption_cause(event: dict[str, Any]) -> str:
+    """A `preemption` event in words: which node was drained and with how much notice, or which rank got SIGTERM."""
+    if event.get("notice") == "sigterm":
+        return f"preemption: worker {event.get('rank')} received SIGTERM at step {event.get('step')}"
+    nodes = ", ".join(n[:12] for n in event.get("nodes", []))
+    notice = (f"with {event['deadline'] - event['wall']:.0f} s left to its deadline" if event.get("deadline")
+              else "without a deadline")
+    return f"preemption: node {nodes} drained {notice}"
