@@ -134,7 +134,7 @@ def _mfu_task():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         peak = measure_peak(torch.bfloat16, 1, size=8192, seconds=2.0, device="cuda")
         per_token = train_flops_per_token(args, seq)
-        batch = 64
+        batch = 16  # 16 x 1,024 tokens of 4,096 wide activations already fill tens of GB
         while True:  # the largest batch that fits
             try:
                 ids = torch.randint(0, args.vocab_size, (batch, seq + 1), device="cuda")
