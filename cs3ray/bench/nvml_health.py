@@ -26,6 +26,9 @@ def _read(fn, *args) -> Any:
 
 def read_devices(nvml: Any) -> list[dict[str, Any]]:
     """Every GPU NVML sees on this node, as a dict of its readings. `nvml` is the pynvml module."""
+    # nvidia-ml-py 12.535 renamed "throttle" reasons "clocks event" reasons; older releases have only the first.
+    reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+               or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
     nvml.nvmlInit()
     try:
         out = []
@@ -48,7 +51,7 @@ def read_devices(nvml: Any) -> list[dict[str, Any]]:
                                          nvml.NVML_VOLATILE_ECC),
                 "ecc_corrected": _read(nvml.nvmlDeviceGetTotalEccErrors, h, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
                                        nvml.NVML_VOLATILE_ECC),
-                "throttle_reasons": _read(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, h),
+                "throttle_reasons": _read(reasons, h) if reasons else None,
             })
         return out
     finally:
