@@ -60,7 +60,7 @@ def validate_cmd(address: Optional[str] = AddressOpt,
         err_console.print(f"report: {out}", highlight=False)
     if r["not_measured"]:
         err_console.print(f"validate: {len(r['not_measured'])} of {len(r['checks'])} items not measured on this "
-                          f"cluster: {', '.join(r['not_measured'])}", highlight=False)
+                          f"cluster: {', '.join(r['not_measured'])}", highlight=False, soft_wrap=True)
     failed = r["failed"]
     if failed:
         raise ChecklistFailed(f"validate: {len(failed)} of {len(r['checks'])} items failed: {', '.join(failed)}")
