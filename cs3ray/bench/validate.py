@@ -559,7 +559,9 @@ COLUMNS = ["item", "result", "verdict", "figure", "target", "measured"]
 
 def markdown(r: dict[str, Any]) -> str:
     """The report `--out FILE` writes: the same table in markdown."""
-    lines = [f"# cs3 validate ({r['level']}): {'PASS' if r['passed'] else 'FAIL'}", "",
+    outcome = ("FAIL" if r["failed"] else "PASS" if r["passed"]
+               else f"no item failed, {len(r['not_measured'])} not measured")
+    lines = [f"# cs3 validate ({r['level']}): {outcome}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |" for row in rows(r)]
     return "\n".join(lines) + "\n"

@@ -164,5 +164,7 @@ def test_unmeasurable_items_never_pass():
     assert "local filesystem" in check.detail
     gpu = validate._gpu_health({})
     assert (gpu.passed, gpu.status) == (False, "not measured") and "no GPU" in gpu.detail
-    r = {"checks": {"gpu_health": validate.asdict(gpu)}}
+    r = {"level": "quick", "passed": False, "failed": [], "not_measured": ["gpu_health"],
+         "checks": {"gpu_health": validate.asdict(gpu)}}
     assert validate.rows(r)[0][1] == "NOT MEASURED"
+    assert validate.markdown(r).startswith("# cs3 validate (quick): no item failed, 1 not measured")
