@@ -3,7 +3,11 @@
 Each item is measured, not assumed, and gets PASS or FAIL with its figure and target:
 versions and clocks of every node, collective bus bandwidth against the link it runs on,
 training MFU against the measured peak, recovery from a killed worker, serving P99
-inter-token latency, storage read throughput, and Ray's metrics endpoint on every node.
+inter-token latency, storage read throughput and random-read IOPS, and Ray's metrics endpoint on
+every node; with GPUs, nccl bus bandwidth within a node and across nodes, MFU of a model sized to
+the GPU, serving P99 on the GPU and each GPU's health through NVML (cs3ray.bench.validate_gpu).
+An item the cluster cannot measure (no GPU, no O_DIRECT, no link to hold it to) is NOT MEASURED
+with the reason, never PASS.
 A figure measured repeatedly (the collective's paired rounds, MFU's log windows, the serving
 replays' p99s, the storage reads) is the median of its rounds with a 95% interval, and its
 target a verdict (cs3ray.bench.stats): PASS needs `met`, so a figure whose interval straddles
@@ -39,11 +43,17 @@ MIB = 1 << 20
 # Targets of the deployment guide's go-live checklist; MFU's is ours (CPU matmul peaks are high).
 TARGETS: dict[str, dict[str, float]] = {
     "bw_utilization": {"at_least": 0.8}, "p99_itl_ms": {"at_most": 50.0}, "recovery_s": {"at_most": 300.0},
-    "clock_skew_s": {"at_most": 1.0}, "mfu": {"at_least": 0.2}, "read_mb_per_s": {"at_least": 100.0}}
+    "clock_skew_s": {"at_most": 1.0}, "mfu": {"at_least": 0.2}, "read_mb_per_s": {"at_least": 100.0},
+    "node_bw_utilization": {"at_least": 0.8}, "gpu_mfu": {"at_least": 0.2}, "gpu_p99_itl_ms": {"at_most": 50.0},
+    "read_iops": {"at_least": 500_000.0}}
+NOT_MEASURED = "not measured"
+NO_GPU = "no GPU on the cluster (Ray reports no GPU resource)"
 # Rounds: the collective's paired rounds, the serving replays (`requests` each) and the storage reads.
 LEVELS = {
-    "quick": {"sizes_mib": [16], "rounds": 3, "steps": 8, "kill_after": 4, "requests": 8, "read_mb": 32},
-    "full": {"sizes_mib": [64, 256], "rounds": 5, "steps": 20, "kill_after": 10, "requests": 16, "read_mb": 256},
+    "quick": {"sizes_mib": [16], "rounds": 3, "steps": 8, "kill_after": 4, "requests": 8, "read_mb": 32,
+              "iops_mb": 128, "iops_s": 1.0, "nccl_mib": [64, 512], "gpu_steps": 6},
+    "full": {"sizes_mib": [64, 256], "rounds": 5, "steps": 20, "kill_after": 10, "requests": 16, "read_mb": 256,
+             "iops_mb": 1024, "iops_s": 3.0, "nccl_mib": [64, 512, 2048], "gpu_steps": 20},
 }
 
 
@@ -63,6 +73,22 @@ class Check:
     rounds: list[float] | None = None
     verdict: str | None = None
     bound: dict[str, float] | None = None  # the target as stats states it: {"at_least": x} or {"at_most": x}
+    status: str = ""  # "pass", "fail" or "not measured" (never passed)
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status = "pass" if self.passed else "fail"
+
+
+def not_measured(name: str, unit: str, target: str, why: str, key: str | None = None,
+                 bound: dict[str, float] | None = None) -> Check:
+    """An item the cluster cannot measure: not passed, no figure, the reason; a keyed one's verdict says so."""
+    return Check(name, False, None, unit, target, f"not measured: {why}", key, [math.nan, math.nan] if key else None,
+                 [] if key else None, NOT_MEASURED if key else None, bound, NOT_MEASURED)
+
+
+def _unmeasured(name: str, unit: str, key: str, target: dict[str, float], why: str) -> Check:
+    return not_measured(name, unit, f"{stats.stated(target)} {unit}", why, key, target)
 
 
 def _error(exc: BaseException) -> str:
@@ -188,8 +214,10 @@ def _versions_and_clocks(probes: dict[str, Any]) -> tuple[Check, Check]:
     return versions, clock
 
 
-def _collective(nodes: list[str], level: dict[str, Any]) -> tuple[list[float], str]:
-    """The worst size's busbw / point-to-point per paired round (the worst: lowest median), and what was run."""
+def _collective(nodes: list[str], level: dict[str, Any], link_gbps: float | None,
+                extra: dict[str, Any]) -> tuple[list[float], str]:
+    """gloo between two CPU ranks: the worst size's busbw over the named link, or over point-to-point both ways
+    when none is named, per paired round (the worst: lowest median), and what was run."""
     import ray
 
     from .comm import busbw_gbps, gbps
@@ -205,15 +233,126 @@ def _collective(nodes: list[str], level: dict[str, Any]) -> tuple[list[float], s
         for r in ranks:
             ray.kill(r)
     sizes = rows[0]
-    util = {mib: [busbw_gbps(int(mib) * MIB, r, 2) / gbps(int(mib) * MIB, p)
+    util = {mib: [busbw_gbps(int(mib) * MIB, r, 2) / (link_gbps or gbps(int(mib) * MIB, p))
                   for p, r in zip(s["p2p_s"], s["reduce_s"], strict=True)] for mib, s in sizes.items()}
     worst = min(util, key=lambda m: statistics.median(util[m]))
     where = "across two nodes" if pair[0] != pair[1] else "within one node (the cluster has one)"
     nbytes, s = int(worst) * MIB, sizes[worst]
-    return (util[worst],
-            f"gloo all-reduce busbw {busbw_gbps(nbytes, statistics.median(s['reduce_s']), 2):.2f} Gb/s vs "
-            f"{gbps(nbytes, statistics.median(s['p2p_s'])):.2f} Gb/s point-to-point both ways, {where}, "
+    busbw, p2p = busbw_gbps(nbytes, statistics.median(s["reduce_s"]), 2), gbps(nbytes, statistics.median(s["p2p_s"]))
+    extra.update(collective_busbw_gbps=busbw, link_gbps=link_gbps or p2p,
+                 link_source="named" if link_gbps else "point-to-point")
+    against = f"the named {link_gbps:g} Gb/s link" if link_gbps else f"{p2p:.2f} Gb/s point-to-point both ways"
+    return (util[worst], f"gloo all-reduce busbw {busbw:.2f} Gb/s vs {against}, {where}, "
             f"{level['rounds']} paired rounds, worst of {', '.join(f'{m} MiB' for m in sizes)}")
+
+
+def _nccl_across(gpus: dict[str, int], level: dict[str, Any], link_gbps: float | None,
+                 extra: dict[str, Any]) -> Check:
+    """nccl all-reduce over every GPU of two GPU nodes, over the named link or each rank's share of the
+    detected InfiniBand."""
+    from .links import named
+    from .validate_gpu import nccl_busbw
+
+    key, target = "bw_utilization", TARGETS["bw_utilization"]
+    if len(gpus) < 2:
+        return _unmeasured("collective_busbw", "of link", key, target,
+                           "GPUs on one node only: no link between GPU nodes to measure")
+    per_node = min(list(gpus.values())[:2])
+    r = nccl_busbw([(node, per_node) for node in list(gpus)[:2]], level["nccl_mib"], level["rounds"])
+    link = named(link_gbps) if link_gbps else r["infiniband"]
+    extra.update(collective_busbw_gbps=r["median_gbps"], link_gbps=link.gbps if link else None,
+                 link_source=link.source if link else None)
+    what = (f"nccl all-reduce busbw {r['median_gbps']:,.1f} Gb/s at {r['largest_mib']} MiB, {r['world']} GPUs on "
+            f"2 nodes, {level['rounds']} rounds")
+    if link is None:
+        return _unmeasured("collective_busbw", "of link", key, target,
+                           f"{what}; no InfiniBand port found and no --link-gbps named to hold it to")
+    return judged("collective_busbw", "of link", key, target, [b / link.gbps for b in r["rounds"]],
+                  f"{what}, vs {link.detail}", difference=False)
+
+
+def _nccl_node(gpus: dict[str, int], level: dict[str, Any], extra: dict[str, Any]) -> Check:
+    """nccl all-reduce over the GPUs of the node with the most, over its NVLink."""
+    from .validate_gpu import nccl_busbw
+
+    name, unit, key, target = "nccl_busbw_node", "of NVLink", "node_bw_utilization", TARGETS["node_bw_utilization"]
+    if not gpus:
+        return _unmeasured(name, unit, key, target, NO_GPU)
+    node, n = next(iter(gpus.items()))
+    if n < 2:
+        return _unmeasured(name, unit, key, target, "one GPU per node: no collective within a node")
+    r = nccl_busbw([(node, n)], level["nccl_mib"], level["rounds"])
+    link = r["nvlink"]
+    extra.update(node_busbw_gbps=r["median_gbps"], nvlink_gbps=link.gbps if link else None)
+    what = f"nccl all-reduce busbw {r['median_gbps']:,.1f} Gb/s at {r['largest_mib']} MiB, {n} GPUs of one node"
+    if link is None:
+        return _unmeasured(name, unit, key, target, f"{what}; no active NVLink (nvidia-smi nvlink -s) to hold it to")
+    return judged(name, unit, key, target, [b / link.gbps for b in r["rounds"]], f"{what}, vs {link.detail}",
+                  difference=False)
+
+
+def _gpu_mfu(gpus: dict[str, int], level: dict[str, Any], min_mfu: float) -> Check:
+    from .validate_gpu import training_mfu
+
+    target = {"at_least": min_mfu}
+    if not gpus:
+        return _unmeasured("gpu_training_mfu", "of peak", "gpu_mfu", target, NO_GPU)
+    r = training_mfu(next(iter(gpus)), level["gpu_steps"])
+    return judged("gpu_training_mfu", "of peak", "gpu_mfu", target, r["mfu"],
+                  f"{r['model']}, bf16, batch {r['batch']} x {r['seq_len']} tokens on one {r['device']}, "
+                  f"measured bf16 peak {r['peak_tflops']:,.0f} TFLOP/s, {len(r['mfu'])} steps")
+
+
+def _gpu_health(gpus: dict[str, int]) -> Check:
+    from .nvml_health import faults, summary
+    from .validate_gpu import health
+
+    name, unit, target = "gpu_health", "GPUs", "no uncorrected ECC error, below slowdown temperature, clocks not held down"
+    if not gpus:
+        return not_measured(name, unit, target, NO_GPU)
+    read = health(list(gpus))
+    unread = {node: why for node, why in read.items() if isinstance(why, str)}
+    devices = [d for found in read.values() if not isinstance(found, str) for d in found]
+    bad = [f"{node[:8]} GPU {d['index']}: {'; '.join(faults(d))}" for node, found in read.items()
+           if not isinstance(found, str) for d in found if faults(d)]
+    if bad:
+        return Check(name, False, float(len(devices)), unit, target, "; ".join(bad))
+    if unread:
+        return not_measured(name, unit, target, f"{len(unread)} of {len(read)} GPU nodes unread: "
+                            f"{next(iter(unread.values()))}")
+    worst = max(devices, key=lambda d: d["temperature_c"] or 0)
+    return Check(name, True, float(len(devices)), unit, target,
+                 f"{len(devices)} GPUs on {len(read)} nodes healthy; hottest {summary(worst)}")
+
+
+def _iops(locations: dict[str, str], level: dict[str, Any]) -> Check:
+    """Random 4 KiB O_DIRECT reads per second on each local location; the worst judged; a location that cannot
+    be measured leaves the item NOT MEASURED unless a measured one fails."""
+    from . import iops
+
+    name, unit, key, target = "storage_iops", "reads/s", "read_iops", TARGETS["read_iops"]
+    measured, skipped = {}, []
+    for role, where in locations.items():
+        if "://" in where and not where.startswith("file://"):
+            skipped.append(f"{role} {where}: O_DIRECT needs a local filesystem")
+            continue
+        try:
+            measured[role] = iops.measure(where.removeprefix("file://"), level["iops_mb"], level["iops_s"],
+                                          level["rounds"])
+        except iops.Unmeasurable as exc:
+            skipped.append(f"{role}: {exc}")
+    if not measured:
+        return _unmeasured(name, unit, key, target, "; ".join(skipped))
+    role = min(measured, key=lambda k: statistics.median(measured[k][0]))
+    others = [f"{k} {statistics.median(r):,.0f}/s" for k, (r, _) in measured.items() if k != role]
+    check = judged(name, unit, key, target, measured[role][0], f"{role} (the slowest): {measured[role][1]}"
+                   + (f"; {', '.join(others)}" if others else ""))
+    if skipped and check.passed:
+        return Check(**{**asdict(check), "passed": False, "status": NOT_MEASURED,
+                        "detail": f"{check.detail}; not measured: {'; '.join(skipped)}"})
+    if skipped:
+        check.detail += f"; not measured: {'; '.join(skipped)}"
+    return check
 
 
 def _train_and_recover(root: str, level: dict[str, Any], min_mfu: float) -> tuple[Check, Check, str]:
@@ -249,14 +388,15 @@ def _train_and_recover(root: str, level: dict[str, Any], min_mfu: float) -> tupl
             run_dir)
 
 
-def _serve(run_dir: str, level: dict[str, Any]) -> tuple[list[float], str]:
-    """Each replay's P99 inter-token latency (ms): the same seeded workload `rounds` times."""
+def _serve(run_dir: str, level: dict[str, Any], gpu: bool = False) -> tuple[list[float], str]:
+    """Each replay's P99 inter-token latency (ms): the same seeded workload `rounds` times, on a replica holding a
+    GPU (the built-in engine on cuda) when `gpu`."""
     from cs3ray.serve.deploy import deploy, make_spec, shutdown
 
     from .serve_load import replay, summarize, workload
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's start-up lines are not the checklist's
-    spec = make_spec(run_dir, name="cs3-validate", overrides={"max_batch": 8})
+    spec = make_spec(run_dir, name="cs3-validate", overrides={"max_batch": 8, "num_gpus": 1 if gpu else None})
     url = deploy(spec, "127.0.0.1", free_port())
     items = workload(level["requests"], rate=8.0, seed=0, output_tokens=(24, 48))
     try:
@@ -265,7 +405,7 @@ def _serve(run_dir: str, level: dict[str, Any]) -> tuple[list[float], str]:
         shutdown(spec.name)
     if r["errors"]:
         raise RuntimeError(f"{r['errors']} of {r['requests']} requests failed: {r['first_error']}")
-    return (r["replay_p99_itl_ms"], f"{level['rounds']} replays of {level['requests']} streamed requests at 8/s, "
+    return (r["replay_p99_itl_ms"], f"{'on one GPU, ' if gpu else ''}{level['rounds']} replays of {level['requests']} streamed requests at 8/s, "
             f"{r['tokens_per_s']:,.0f} tokens/s, p50 {r['p50_itl_ms']:.1f} ms")
 
 
@@ -300,28 +440,40 @@ def _metrics(nodes: list[dict[str, Any]]) -> tuple[bool, float, str]:
                                                  f"{cs3} of cs3ray's")
 
 
-def run(address: str | None = None, quick: bool = False, storage: str | None = None, min_mfu: float = TARGETS["mfu"],
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every checklist item on the cluster at `address` (default: an embedded one); the JSON-able result."""
+def run(address: str | None = None, quick: bool = False, storage: str | None = None, min_mfu: float = TARGETS["mfu"]["at_least"],
+        log: Callable[[str], None] = print, link_gbps: float | None = None, cache: str | None = None) -> dict[str, Any]:
+    """Every checklist item on the cluster at `address` (default: an embedded one); the JSON-able result.
+    link_gbps: the link collective_busbw is held to (default: the detected one, or point-to-point on CPUs);
+    cache: the data cache folder whose IOPS are measured besides the checkpoint storage."""
     import ray
+
+    from .validate_gpu import gpu_nodes
 
     level = LEVELS["quick" if quick else "full"]
     checks: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="cs3-validate-") as root, \
             ray_cluster(address, num_cpus=None if address else 8, quiet=True, use_recorded=True):
         nodes = [n for n in ray.nodes() if n["Alive"]]
+        gpus, extra = gpu_nodes(nodes), {}
         NodeProbe = _node_actor()
         probes = {n["NodeID"]: NodeProbe.options(scheduling_strategy=_on(n["NodeID"])).remote() for n in nodes}
-        log(f"validating a cluster of {len(nodes)} node(s), level {'quick' if quick else 'full'}")
+        log(f"validating a cluster of {len(nodes)} node(s) ({sum(gpus.values())} GPUs), level {'quick' if quick else 'full'}")
         try:
             versions, clock = _versions_and_clocks(probes)
         finally:
             for p in probes.values():
                 ray.kill(p)
         checks += [versions, clock]
-        checks.append(_judged_check("collective_busbw", "of p2p", "bw_utilization", TARGETS["bw_utilization"],
-                                    lambda: _collective([n["NodeID"] for n in nodes], level), difference=False))
+        if gpus:
+            checks.append(_item("collective_busbw", "of link", "bw_utilization", TARGETS["bw_utilization"],
+                                lambda: _nccl_across(gpus, level, link_gbps, extra)))
+        else:  # a CPU cluster trains over gloo: that is its collective
+            checks.append(_judged_check("collective_busbw", "of link" if link_gbps else "of p2p", "bw_utilization",
+                                        TARGETS["bw_utilization"], lambda: _collective(
+                                            [n["NodeID"] for n in nodes], level, link_gbps, extra), difference=False))
         log(f"  {checks[-1].name}: {checks[-1].detail}")
+        checks.append(_item("nccl_busbw_node", "of NVLink", "node_bw_utilization", TARGETS["node_bw_utilization"],
+                            lambda: _nccl_node(gpus, level, extra)))
         try:
             mfu, recovery, run_dir = _train_and_recover(root, level, min_mfu)
         except Exception as exc:  # noqa: BLE001 - both items fail with the run's error; serving has no checkpoint
@@ -336,12 +488,44 @@ def run(address: str | None = None, quick: bool = False, storage: str | None = N
         else:
             checks.append(_failed("serve_p99_itl", "ms", "p99_itl_ms", TARGETS["p99_itl_ms"],
                                   "error: no checkpoint to serve (the training run failed)"))
+        checks.append(_item("gpu_training_mfu", "of peak", "gpu_mfu", {"at_least": min_mfu},
+                            lambda: _gpu_mfu(gpus, level, min_mfu)))
+        log(f"  gpu_training_mfu: {checks[-1].detail}")
+        if not gpus:
+            checks.append(_unmeasured("gpu_serve_p99_itl", "ms", "gpu_p99_itl_ms", TARGETS["gpu_p99_itl_ms"], NO_GPU))
+        elif run_dir:
+            checks.append(_judged_check("gpu_serve_p99_itl", "ms", "gpu_p99_itl_ms", TARGETS["gpu_p99_itl_ms"],
+                                        lambda: _serve(run_dir, level, gpu=True)))
+        else:
+            checks.append(_failed("gpu_serve_p99_itl", "ms", "gpu_p99_itl_ms", TARGETS["gpu_p99_itl_ms"],
+                                  "error: no checkpoint to serve (the training run failed)"))
+        checks.append(_item("gpu_health", "GPUs", None, None, lambda: _gpu_health(gpus)))
         checks.append(_judged_check("storage_read", "MB/s", "read_mb_per_s", TARGETS["read_mb_per_s"],
                                     lambda: _storage(storage or root, level["read_mb"], level["rounds"])))
+        places = {"checkpoint storage": storage or root} | ({"cache": cache} if cache else {})
+        checks.append(_item("storage_iops", "reads/s", "read_iops", TARGETS["read_iops"], lambda: _iops(places, level)))
+        log(f"  storage_iops: {checks[-1].detail}")
         checks.append(_check("metrics_endpoint", "nodes", "every node's endpoint parses as Prometheus text",
                              lambda: _metrics(nodes)))
     return {"level": "quick" if quick else "full", "passed": all(c.passed for c in checks),
-            "checks": {c.name: asdict(c) for c in checks}, **figures(checks)}
+            "failed": [c.name for c in checks if c.status == "fail"],
+            "not_measured": [c.name for c in checks if c.status == NOT_MEASURED],
+            "gpus": sum(gpus.values()), "checks": {c.name: asdict(c) for c in checks},
+            **{k: extra.get(k) for k in EXTRA_KEYS}, **figures(checks)}
+
+
+# Top-level figures besides the judged ones: the bus bandwidths in Gb/s and the links they were held to.
+EXTRA_KEYS = ("collective_busbw_gbps", "link_gbps", "link_source", "node_busbw_gbps", "nvlink_gbps")
+
+
+def _item(name: str, unit: str, key: str | None, target: dict[str, float] | None, measure: Callable[[], Check]) -> Check:
+    """The Check `measure` builds; its error FAILs the item (with its target, when it has one)."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - the item fails with its error; the checklist goes on
+        if key is None:
+            return Check(name, False, None, unit, "", _error(exc))
+        return _failed(name, unit, key, target, _error(exc))
 
 
 def figures(checks: list[Check]) -> dict[str, Any]:
@@ -364,8 +548,9 @@ def _figure(c: dict) -> str:
 
 
 def rows(r: dict[str, Any]) -> list[tuple]:
-    """Table rows: item, PASS/FAIL, the target's verdict, figure [95% interval], target, what was measured."""
-    return [(name, "PASS" if c["passed"] else "FAIL", c.get("verdict") or "", _figure(c), c["target"], c["detail"])
+    """Table rows: item, PASS/FAIL/NOT MEASURED, the target's verdict, figure [95% interval], target, what was
+    measured."""
+    return [(name, c["status"].upper(), c.get("verdict") or "", _figure(c), c["target"], c["detail"])
             for name, c in r["checks"].items()]
 
 
@@ -374,7 +559,9 @@ COLUMNS = ["item", "result", "verdict", "figure", "target", "measured"]
 
 def markdown(r: dict[str, Any]) -> str:
     """The report `--out FILE` writes: the same table in markdown."""
-    lines = [f"# cs3 validate ({r['level']}): {'PASS' if r['passed'] else 'FAIL'}", "",
+    outcome = ("FAIL" if r["failed"] else "PASS" if r["passed"]
+               else f"no item failed, {len(r['not_measured'])} not measured")
+    lines = [f"# cs3 validate ({r['level']}): {outcome}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |" for row in rows(r)]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """On a CUDA device (skipped without one; `.ci/gpu-check` runs them on a GPU machine): training with nccl in bf16
-and fp16 under each data-parallel strategy, and the built-in serving engine's continuous batching on CUDA."""
+and fp16 under each data-parallel strategy, the built-in serving engine's continuous batching on CUDA, and
+`cs3 validate`'s GPU items (MFU of a model sized to the GPU, NVML health, nccl busbw within the node)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,30 @@ def test_the_engine_batches_on_cuda_as_it_generates_alone(dtype):
         for p, got in zip(prompts, batched, strict=True):
             ref = generate_ids(model, p, greedy, stop_ids=(EOS,))
             assert got == bytes(t for t in ref if t < 256).decode("utf-8", errors="replace")
+
+
+def test_validate_measures_the_gpus(ray_client):
+    from cs3ray.bench import validate
+    from cs3ray.bench.validate_gpu import gpu_nodes
+
+    gpus = gpu_nodes(ray_client.nodes())
+    assert sum(gpus.values()) >= 1, "the head node reports no GPU to Ray"
+    level = validate.LEVELS["quick"]
+    mfu = validate._gpu_mfu(gpus, level, 0.0)
+    assert mfu.status == "pass" and 0 < mfu.figure < 1, mfu
+    health = validate._gpu_health(gpus)
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        assert health.status == "not measured" and "pynvml" in health.detail
+    else:
+        assert health.status in ("pass", "fail") and health.figure == sum(gpus.values()), health
+    extra: dict = {}
+    node = validate._nccl_node(gpus, level, extra)
+    if max(gpus.values()) < 2:
+        assert node.status == "not measured" and "one GPU" in node.detail
+    else:
+        assert extra["node_busbw_gbps"] > 0 and node.figure is None or node.figure > 0, node  # measured either way
+    across = validate._nccl_across(gpus, level, None, extra)
+    if len(gpus) < 2:
+        assert across.status == "not measured"
