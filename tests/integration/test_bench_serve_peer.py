@@ -19,8 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_serve_peer_vllm_quick(tmp_path):
     proc = run_cs3(["bench", "serve", "--quick", "--peer", "vllm", "--json"], cwd=tmp_path, timeout=1200)
-    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # 1: a measured request failed (named below)
-    assert proc.returncode == 0, proc.stderr.splitlines()[-1]
+    assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would name the first failed request
     r = json.loads(proc.stdout.splitlines()[-1])
     peer = r["peer"]
     assert peer["cores"] and set(peer["sides"]) == {"builtin", "vllm", "serve_vllm"}
