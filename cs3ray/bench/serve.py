@@ -13,6 +13,8 @@ the rounds' own figures with a 95% interval (cs3ray.bench.stats) and a verdict.
 Then, where HAProxy is installed, what the opt-in HAProxy ingress would change: continuous batching
 replays the concurrency-16 workload twice on a second cluster with HAProxy in place of Serve's proxy
 (`ingress`: both cells and HAProxy's tokens/s over the proxy's).
+With --peer vllm, the tiny model also against vLLM standalone and through serve.engine=vllm, on the
+same cores (serve_peer).
 The benchmark needs no trained run: each model gets a few optimizer steps on the Python
 standard library's source first (seconds), just enough that it writes text. Speed does not
 depend on the weights (ignore_eos fixes every output's length), but streaming does: a
