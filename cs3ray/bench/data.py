@@ -200,7 +200,7 @@ def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
 
             say(f"(b) an epoch of {read_mb} MB from S3 behind {latency_ms} ms per request: Ray Data read_parquet "
                 f"vs cs3's loader, cold and warm")
-            result.update(read_part(read_mb, read_seq_len, latency_ms, read_rounds, cores, work, say))
+            result.update(read_part(read_mb, read_seq_len, latency_ms, read_rounds, cores, work, say, fitted=not quick))
             parts_s["read"] = time.perf_counter() - started - sum(parts_s.values())
 
             say(f"(c) training {TRAIN_CONFIG}: data.loader ray_data vs direct, {train_rounds} rounds")

@@ -35,6 +35,7 @@ def test_quick_run_measures_prepare_read_and_training():
     # Ray Data at the best of the settings tried; each reader's startup apart from its steady rate, fitted on the
     # whole set and a part-sized one (its first quarter) read every round.
     assert len(r["ray_data_settings_tried"]) >= 3 and r["ray_data_best"] in r["ray_data_settings_tried"]
+    assert r["ray_data_settings_ranked_by"] == "mb_s"  # --quick: one read of each (the default fits two)
     assert r["read_part_shards"] == r["train_shards"] // 4
     for reader in ("ray_data", "cs3_cold", "cs3_warm"):
         assert r[f"{reader}_startup_s"] >= 0 and r[f"{reader}_steady_mb_s"] > 0, reader
