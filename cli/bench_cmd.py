@@ -101,19 +101,25 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
 
 @app.command("data", epilog=EXIT_CODES)
 @user_errors
-def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared in part (a); (b) reads its shards."),
+def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared in part (a)."),
+             read_mb: Optional[int] = typer.Option(None, "--read-mb", min=1, help="MB of random-token shards read "
+                                                   "in part (b) (default 1024; --quick 16)."),
+             seq_len: Optional[int] = typer.Option(None, "--seq-len", min=8, help="Tokens per sample of (b)'s shards, "
+                                                   "2048 samples a shard (default 2048: 8 MB shards; --quick 256)."),
              latency_ms: float = typer.Option(20.0, min=0, help="Latency the proxy adds to every S3 request."),
              quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
-    """Ray Data in the data path, one cluster: prepare (pipeline vs one process), a cold epoch from S3
-    (read_parquet vs cs3's loader through the cache), training tokens/s (data.loader ray_data vs direct)."""
+    """Ray Data in the data path, one cluster: prepare (pipeline vs one process), an epoch of a GB from S3
+    through one s3fs client (read_parquet at its best settings vs cs3's loader cold and warm, startup apart
+    from steady MB/s), training tokens/s (data.loader ray_data vs direct)."""
     from cs3ray.bench import data as data_bench
 
-    r = measured("data", data_bench.run, mb, latency_ms, quick=quick,
+    r = measured("data", data_bench.run, mb, latency_ms, quick=quick, read_mb=read_mb, read_seq_len=seq_len,
                  log=lambda line: err_console.print(line, highlight=False))
 
-    emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; "
-         f"{r['shards_mb']} MB of train shards, {r['latency_ms']} ms/request; ratios: medians of the rounds' ratios "
-         f"[95% interval], rounds {r['prepare_rounds']}/{r['read_rounds']}/{r['train_rounds']}: {verdict_line(r, 3)})",
+    emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; read "
+         f"{r['dataset_mb']} MB in {r['train_shards']} shards of {r['shard_mb']} MB, {r['latency_ms']} ms/request, "
+         f"read_parquet at {r['ray_data_best']}; ratios: medians of the rounds' ratios [95% interval], rounds "
+         f"{r['prepare_rounds']}/{r['read_rounds']}/{r['train_rounds']}: {verdict_line(r, 3)})",
          ["measure: Ray Data | other", "Ray Data", "other", "ratio", "target"], data_bench.rows(r), r, as_json)
 
 

@@ -3,12 +3,13 @@
 (a) prepare: the Ray Data pipeline (`prepare_shards_ray`, one task per core) against the
     single-process `prepare_shards` (the tokenizer's own threads on every core), the same corpus
     and byte-level BPE, each timed from the first read to the manifest written; their outputs
-    must be identical. MB/s of source text.
-(b) read: one cold epoch of the train shards (a) wrote, from a moto S3 server behind the latency
-    proxy of `bench cache`: Ray Data's own `read_parquet` on the shard URLs with its default
-    parallelism (what a Ray user writes) against cs3ray's loader (`TrainStream`, the exact global
-    order through the tiered cache) with an empty L2 (cold) and again with that L2 (warm). Both
-    deliver micro-batches of token ids; MB/s of shard bytes.
+    must be identical. MB/s of source text, and per core; the bench process's peak RSS growth
+    while the pipeline prepares (what its driver holds).
+(b) read (`data_read`): one epoch of a synthesized shard set of `read_mb` MB in cs3ray's shard format
+    from a moto S3 server behind a latency proxy in its own process (its CPU share measured),
+    through the same s3fs client on both sides: Ray Data's `read_parquet` at the best of a few
+    settings against cs3ray's loader (`TrainStream`, the exact global order through the tiered
+    cache) cold (empty L2) and warm; startup apart from steady-state MB/s of shard bytes.
 (c) train: tokens/s of configs/tiny.yaml with `data.loader=ray_data` against `data.loader=direct`,
     taking turns (each round in the other order); the ratio is the median of the rounds' ratios.
 """
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import logging
 import os
 import shutil
 import statistics
@@ -28,29 +27,29 @@ import time
 from typing import Any, Callable, Iterator
 
 from cs3ray.config import load_config
-from cs3ray.config.schema import CacheConfig
 from cs3ray.data import ShardSpec, open_corpus, prepare_shards, prepare_shards_ray, train_tokenizer
 from cs3ray.data.corpus import STDLIB, Corpus
-from cs3ray.data.shards import MANIFEST, TOKEN_COLUMN, decode_tokens
-from cs3ray.data.stream import TrainStream
 from cs3ray.models import load_tokenizer
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.storage import open_url
 from cs3ray.train.driver import prepare_data
 
 from . import stats
-from .loopback_s3 import LatencyProxy, MotoServer, make_bucket, s3_options
+from .data_read import read_part
 from .train import cs3_run
+from .usage import PeakRss
 
-BUCKET = "cs3"
 TRAIN_CONFIG = "configs/tiny.yaml"
 VOCAB = 4096
 TOKENIZER_TEXT = 4 * 2**20  # the slice of the standard library the BPE is trained on (not timed)
 SEQ_LEN, SAMPLES_PER_SHARD = 128, 2048  # tiny.yaml's sample length; the config's default shard size
 WARMUP_TEXT = 2**18
-BATCH = 256  # rows per batch in (b) on both sides: Ray Data's default batch_size
+# (b)'s shard set: a sample of 2049 tokens (a 2048-token context, as large models train on) makes
+# data.samples_per_shard's 2048 samples an 8 MB shard; --quick reads 1 MB shards.
+READ_SEQ_LEN, QUICK_READ_SEQ_LEN, QUICK_READ_MB = 2048, 256, 16
 NICENESS = "RAY_worker_niceness"  # read by an embedded cluster's raylet as it starts
 TARGETS = {"prepare_ratio": {"at_least": 0.9}, "cold_over_ray_data_read": {"at_least": 1.0},
+           "cold_steady_over_ray_data": {"at_least": 1.0}, "proxy_cpu_fraction": {"at_most": 0.5},
            "ray_data_loader_ratio": {"at_least": 0.97}}
 
 
@@ -92,8 +91,10 @@ def _workers_at_nice_0() -> Iterator[None]:
             os.environ[NICENESS] = saved
 
 
-def _prepare(corpus: Corpus, spec: ShardSpec, tok: Any, dest: str, ray_data: bool, cores: int) -> tuple[float, dict]:
-    """MB/s of source text and the manifest of one preparation into the empty folder `dest`."""
+def _prepare(corpus: Corpus, spec: ShardSpec, tok: Any, dest: str, ray_data: bool,
+             cores: int) -> tuple[float, dict, float]:
+    """MB/s of source text, the manifest of one preparation into the empty folder `dest`, and this process's
+    peak RSS growth (MB) meanwhile."""
     chars = [0]
 
     def progress(n: int) -> None:
@@ -101,108 +102,12 @@ def _prepare(corpus: Corpus, spec: ShardSpec, tok: Any, dest: str, ray_data: boo
 
     out = open_url(dest)
     t0 = time.perf_counter()
-    if ray_data:
-        manifest = prepare_shards_ray(corpus, out, spec, progress, tok, parallelism=cores)[0]
-    else:
-        manifest = prepare_shards(corpus, out, spec, progress, tok)
-    return chars[0] / 2**20 / (time.perf_counter() - t0), manifest
-
-
-def _ray_data_epoch(urls: list[str], options: dict, samples: int) -> float:
-    """Seconds for Ray Data's `read_parquet` to deliver every row of the shards as token micro-batches."""
-    import pyarrow.fs
-    import ray.data
-
-    client = options["client_kwargs"]
-    fs = pyarrow.fs.S3FileSystem(access_key=options["key"], secret_key=options["secret"],
-                                 endpoint_override=client["endpoint_url"], region=client["region_name"])
-    ctx, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
-    saved = ctx.enable_progress_bars, logger.level
-    # Its progress lines would bury the bench's own; nothing else of Ray Data's defaults is changed.
-    ctx.enable_progress_bars = False
-    logger.setLevel(logging.ERROR)
-    try:
-        t0 = time.perf_counter()
-        rows = 0
-        for batch in ray.data.read_parquet(urls, filesystem=fs).iter_batches(batch_size=BATCH, batch_format="numpy"):
-            rows += len(decode_tokens(batch[TOKEN_COLUMN]))
-        elapsed = time.perf_counter() - t0
-    finally:
-        ctx.enable_progress_bars = saved[0]
-        logger.setLevel(saved[1])
-    if rows != samples:
-        raise RuntimeError(f"Ray Data's read_parquet delivered {rows} rows of the {samples} in the shards")
-    return elapsed
-
-
-def _cs3_epoch(url: str, options: dict, l2: str, samples: int) -> float:
-    """Seconds for one rank of one epoch of cs3ray's loader (the exact global order) through the tiered cache."""
-    t0 = time.perf_counter()
-    stream = TrainStream(BATCH, seed=0, shards_url=url, storage_options=options,
-                         cache=CacheConfig(disk_dir=l2).model_dump(), rank=0, world=1)
-    rows = 0
-    try:
-        for _ in range(samples // BATCH):
-            rows += len(next(stream))
-    finally:
-        stream.close()
-    elapsed = time.perf_counter() - t0
-    if rows != samples // BATCH * BATCH:
-        raise RuntimeError(f"cs3ray's loader delivered {rows} rows of {samples // BATCH * BATCH}")
-    return elapsed
-
-
-def _read_part(shards: str, work: str, latency_ms: float, rounds: int, say: Callable[[str], None]) -> dict[str, Any]:
-    """(b): the shards under `shards` on a loopback S3 store behind the latency proxy, read cold and warm."""
-    import s3fs
-
-    manifest = json.loads(open_url(shards).read_text(MANIFEST))
-    train = manifest["splits"]["train"]
-    total, samples = sum(e["bytes"] for e in train), sum(e["samples"] for e in train)
-    moto = MotoServer()
-    proxy = None
-    try:
-        make_bucket(moto.url, BUCKET)
-        s3fs.S3FileSystem(**s3_options(moto.url), skip_instance_cache=True).put(
-            shards.rstrip("/") + "/", f"{BUCKET}/data/", recursive=True)
-        proxy = LatencyProxy(moto.url, latency_ms / 1000)
-        options = s3_options(proxy.url)
-        url = f"s3://{BUCKET}/data"
-        urls = [f"{url}/{e['file']}" for e in train]
-        ray_s, cold_s, warm_s = [], [], []
-        requests: dict[str, int] = {}  # per epoch, in the first round
-        for r in range(rounds):
-            l2 = os.path.join(work, f"l2-{r}")
-            # Each round in the other order, so a drift of the host's speed reaches both alike.
-            modes = ["ray_data", "cs3"] if r % 2 == 0 else ["cs3", "ray_data"]
-            for mode in modes:
-                before = proxy.requests
-                if mode == "ray_data":
-                    ray_s.append(_ray_data_epoch(urls, options, samples))
-                    requests.setdefault("ray_data", proxy.requests - before)
-                else:
-                    cold_s.append(_cs3_epoch(url, options, l2, samples))
-                    requests.setdefault("cs3_cold", proxy.requests - before)
-                    before = proxy.requests
-                    warm_s.append(_cs3_epoch(url, options, l2, samples))
-                    requests.setdefault("cs3_warm", proxy.requests - before)
-            shutil.rmtree(l2, ignore_errors=True)
-            say(f"read round {r + 1}: Ray Data {total / 2**20 / ray_s[-1]:.1f}, cs3 cold "
-                f"{total / 2**20 / cold_s[-1]:.1f}, warm {total / 2**20 / warm_s[-1]:.1f} MB/s")
-        mb = total / 2**20
-        return {"shards_mb": round(mb, 2), "train_shards": len(train), "train_samples": samples,
-                "latency_ms": latency_ms, "read_rounds": rounds, "batch_rows": BATCH,
-                "ray_data_read_mb_s": round(mb / _median(ray_s), 2), "cs3_cold_mb_s": round(mb / _median(cold_s), 2),
-                "cs3_warm_mb_s": round(mb / _median(warm_s), 2), "s3_requests_per_epoch": requests,
-                # The loader's cold epoch over read_parquet's, per round (the two read back to back).
-                **_ratio("cold_over_ray_data_read", ray_s, cold_s),
-                "read_runs_mb_s": {"ray_data": [round(mb / s, 2) for s in ray_s],
-                                   "cs3_cold": [round(mb / s, 2) for s in cold_s],
-                                   "cs3_warm": [round(mb / s, 2) for s in warm_s]}}
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        moto.stop()
+    with PeakRss() as rss:
+        if ray_data:
+            manifest = prepare_shards_ray(corpus, out, spec, progress, tok, parallelism=cores)[0]
+        else:
+            manifest = prepare_shards(corpus, out, spec, progress, tok)
+    return chars[0] / 2**20 / (time.perf_counter() - t0), manifest, rss.growth_mb
 
 
 def _train_part(root: str, rounds: int, warmup: int, steps: int, workers: int,
@@ -229,17 +134,21 @@ def _train_part(root: str, rounds: int, warmup: int, steps: int, workers: int,
 
 
 def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
-        log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run (a), (b) and (c); returns the issue's JSON keys, the context of each part and the targets."""
+        log: Callable[[str], None] | None = None, read_mb: int | None = None,
+        read_seq_len: int | None = None) -> dict[str, Any]:
+    """Run (a), (b) and (c); returns the issue's JSON keys, the context of each part and the targets.
+    (b) reads `read_mb` MB (default 1024; --quick 16) in shards of samples of `read_seq_len`+1 tokens."""
     say = log or (lambda m: None)
     started = time.perf_counter()
     if quick:
-        # One worker: a second one's start would double the smoke run's longest part. Preparing and reading
-        # 2 MB take seconds, so they get the 2 rounds an interval needs; training keeps 1 (inconclusive).
+        # One worker: a second one's start would double the smoke run's longest part. Preparing 2 MB and reading
+        # 16 MB take seconds, so they get the 2 rounds an interval needs; training keeps 1 (inconclusive).
         mb, prep_rounds, read_rounds, train_rounds, warmup, steps, workers = min(mb, 2), 2, 2, 1, 2, 4, 1
     else:
         prep_rounds, read_rounds, train_rounds, warmup, steps = 3, 3, 3, 5, 40
         workers = load_config(TRAIN_CONFIG).cluster.workers
+    read_mb = read_mb or (QUICK_READ_MB if quick else 1024)
+    read_seq_len = read_seq_len or (QUICK_READ_SEQ_LEN if quick else READ_SEQ_LEN)
     cores = os.cpu_count() or 1
     max_bytes = mb * 2**20
     corpus, corpus_name = bench_corpus(max_bytes)
@@ -262,12 +171,14 @@ def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
                 _prepare(corpus, dataclasses.replace(spec, max_bytes=WARMUP_TEXT), tok,
                          os.path.join(work, "warm-up"), True, cores)
             speeds: dict[str, list[float]] = {"ray_data": [], "single": []}
+            rss: dict[str, list[float]] = {"ray_data": [], "single": []}
             manifests: dict[str, dict] = {}
             for r in range(prep_rounds):
                 for mode in (["ray_data", "single"] if r % 2 == 0 else ["single", "ray_data"]):
                     dest = os.path.join(work, f"shards-{mode}-{r}")
-                    mb_s, manifests[mode] = _prepare(corpus, spec, tok, dest, mode == "ray_data", cores)
+                    mb_s, manifests[mode], grew = _prepare(corpus, spec, tok, dest, mode == "ray_data", cores)
                     speeds[mode].append(mb_s)
+                    rss[mode].append(grew)
                 say(f"prepare round {r + 1}: MB/s Ray Data {speeds['ray_data'][-1]:.2f}, single "
                     f"{speeds['single'][-1]:.2f}")
             if manifests["ray_data"] != manifests["single"]:
@@ -275,14 +186,21 @@ def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
             ray_mb_s, single_mb_s = _median(speeds["ray_data"]), _median(speeds["single"])
             result.update({
                 "prepare_ray_data_mb_s": round(ray_mb_s, 3), "prepare_single_mb_s": round(single_mb_s, 3),
+                # What a core adds: the pipeline runs a task per core, the one process its tokenizer's threads on each.
+                "prepare_ray_data_mb_s_per_core": round(ray_mb_s / cores, 3),
+                "prepare_single_mb_s_per_core": round(single_mb_s / cores, 3),
+                # The driver's share of a preparation: the bench process's peak RSS growth while the pipeline ran
+                # (the worst round), and while the single process prepared everything itself.
+                "prepare_driver_peak_rss_mb": round(max(rss["ray_data"]), 1),
+                "prepare_single_peak_rss_mb": round(max(rss["single"]), 1),
                 **_ratio("prepare_ratio", speeds["ray_data"], speeds["single"]),
                 "prepare_parallelism": cores, "prepare_tokens": manifests["single"]["tokens"],
                 "prepare_runs_mb_s": {k: [round(x, 3) for x in v] for k, v in speeds.items()}})
             parts_s["prepare"] = time.perf_counter() - started - sum(parts_s.values())
 
-            say(f"(b) a cold epoch from S3 behind {latency_ms} ms per request: Ray Data read_parquet vs cs3's loader")
-            result.update(_read_part(os.path.join(work, f"shards-ray_data-{prep_rounds - 1}"), work, latency_ms,
-                                     read_rounds, say))
+            say(f"(b) an epoch of {read_mb} MB from S3 behind {latency_ms} ms per request: Ray Data read_parquet "
+                f"vs cs3's loader, cold and warm")
+            result.update(read_part(read_mb, read_seq_len, latency_ms, read_rounds, cores, work, say, fitted=not quick))
             parts_s["read"] = time.perf_counter() - started - sum(parts_s.values())
 
             say(f"(c) training {TRAIN_CONFIG}: data.loader ray_data vs direct, {train_rounds} rounds")
@@ -297,7 +215,8 @@ def run(mb: int = 50, latency_ms: float = 20.0, quick: bool = False,
 
 
 JSON_KEYS = ("prepare_ray_data_mb_s", "prepare_single_mb_s", "prepare_ratio", "ray_data_read_mb_s", "cs3_cold_mb_s",
-             "cs3_warm_mb_s", "ray_data_loader_ratio")
+             "cs3_warm_mb_s", "ray_data_loader_ratio", "dataset_mb", "proxy_cpu_fraction", "cs3_cold_steady_mb_s",
+             "ray_data_steady_mb_s", "prepare_driver_peak_rss_mb")
 
 
 def rows(r: dict[str, Any]) -> list[tuple]:
@@ -308,9 +227,17 @@ def rows(r: dict[str, Any]) -> list[tuple]:
     return [
         ("(a) prepare MB/s: pipeline | 1 process", r["prepare_ray_data_mb_s"], r["prepare_single_mb_s"],
          stats.shown(r, "prepare_ratio", 3), met("prepare_ratio")),
-        ("(b) cold epoch MB/s: read_parquet | cs3", r["ray_data_read_mb_s"], r["cs3_cold_mb_s"],
+        ("(a) prepare MB/s per core", r["prepare_ray_data_mb_s_per_core"], r["prepare_single_mb_s_per_core"], "", ""),
+        ("(a) driver peak RSS growth, MB", r["prepare_driver_peak_rss_mb"], r["prepare_single_peak_rss_mb"], "", ""),
+        ("(b) epoch MB/s: read_parquet | cs3 cold", r["ray_data_read_mb_s"], r["cs3_cold_mb_s"],
          stats.shown(r, "cold_over_ray_data_read", 3), met("cold_over_ray_data_read")),
-        ("(b) warm epoch MB/s: cs3 (L2)", "", r["cs3_warm_mb_s"], "", ""),
+        ("(b) steady MB/s: read_parquet | cs3 cold", r["ray_data_steady_mb_s"], r["cs3_cold_steady_mb_s"],
+         stats.shown(r, "cold_steady_over_ray_data", 3), met("cold_steady_over_ray_data")),
+        ("(b) steady MB/s: read_parquet | cs3 warm (L2)", r["ray_data_steady_mb_s"], r["cs3_warm_steady_mb_s"],
+         stats.shown(r, "warm_steady_over_ray_data", 3), ""),
+        ("(b) startup s: read_parquet | cs3 cold", r["ray_data_startup_s"], r["cs3_cold_startup_s"], "", ""),
+        ("(b) endpoint CPU per wall s: proxy | moto", r["proxy_cpu_fraction"], r["s3_server_cpu_fraction"], "",
+         met("proxy_cpu_fraction")),
         ("(c) tokens/s: loader ray_data | direct", r["ray_data_tokens_per_s"], r["direct_tokens_per_s"],
          stats.shown(r, "ray_data_loader_ratio", 3), met("ray_data_loader_ratio")),
     ]

@@ -4,11 +4,14 @@ The proxy sits between an S3 client (s3fs, exactly as a user configures it) and 
 server: it waits `latency_s` before forwarding each request, as a far-away store would, and
 while `down` is set answers every request with 503, which is how tests stage an outage;
 `outage_from(match, seconds)` starts one at an exact request (not at a moment that races the client).
+`ProxyProcess` runs the same proxy in a process of its own (`python -m cs3ray.bench.loopback_s3 UPSTREAM
+LATENCY_S`), so that a bench can read its CPU time apart from the client's and it takes no GIL from it.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import subprocess
 import sys
 import threading
@@ -19,6 +22,7 @@ from urllib.parse import urlsplit
 
 from cs3ray.ops.ports import free_port
 
+STATS_PATH = "/__cs3-proxy-stats"  # answered by the proxy itself (its request count), never forwarded
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te"}
 
 
@@ -82,6 +86,13 @@ class LatencyProxy:
                 pass
 
             def _forward(self) -> None:
+                if self.path == STATS_PATH:
+                    msg = json.dumps({"requests": proxy.requests}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
                 proxy.requests += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
@@ -138,3 +149,40 @@ class LatencyProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class ProxyProcess:
+    """A LatencyProxy to `upstream` in a subprocess: `url`, `requests` (so far) and `pid` (for its CPU time)."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.02) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, upstream, repr(latency_s)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.pid = self.proc.pid
+        line = self.proc.stdout.readline().strip() if self.proc.stdout else ""  # its URL, once it listens
+        if not line.startswith("http://"):
+            self.stop()
+            raise RuntimeError("the S3 latency proxy process did not start")
+        self.url = line
+
+    @property
+    def requests(self) -> int:
+        with urllib.request.urlopen(self.url + STATS_PATH, timeout=10) as resp:
+            return int(json.loads(resp.read())["requests"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def main(argv: list[str]) -> None:
+    """`python -m cs3ray.bench.loopback_s3 UPSTREAM LATENCY_S`: serve until terminated, the URL on stdout."""
+    proxy = LatencyProxy(argv[0], float(argv[1]))
+    print(proxy.url, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
