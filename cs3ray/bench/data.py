@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 from cs3ray.config import load_config
 from cs3ray.data import ShardSpec, open_corpus, prepare_shards, prepare_shards_ray, train_tokenizer
 from cs3ray.data.corpus import STDLIB, Corpus
+from cs3ray.data.peak_rss import PeakRss
 from cs3ray.models import load_tokenizer
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.storage import open_url
@@ -37,7 +38,6 @@ from cs3ray.train.driver import prepare_data
 from . import stats
 from .data_read import read_part
 from .train import cs3_run
-from .usage import PeakRss
 
 TRAIN_CONFIG = "configs/tiny.yaml"
 VOCAB = 4096

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import shutil
@@ -37,6 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from cs3ray.config.schema import CacheConfig, DataConfig
+from cs3ray.data.ray_settings import ray_data_settings
 from cs3ray.data.shards import FORMAT_VERSION, MANIFEST, TOKEN_COLUMN, decode_tokens, encode_shard
 from cs3ray.data.stream import TrainStream
 from cs3ray.storage import Storage, open_url
@@ -130,23 +130,13 @@ def synthesize(dest: Storage, part: Storage, mb: float, seq_len: int, samples_pe
 
 @contextlib.contextmanager
 def quiet_ray_data() -> Iterator[None]:
-    """Ray Data without its progress bars and info lines (they would bury the bench's own), restored after."""
-    import ray.data
-
-    ctx, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
-    saved = ctx.enable_progress_bars, logger.level
-    ctx.enable_progress_bars = False
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():  # e.g. a concurrency above the read tasks a small set makes
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.data")
-            yield
-    finally:
-        ctx.enable_progress_bars = saved[0]
-        logger.setLevel(saved[1])
+    """Ray Data under cs3ray's settings (no progress bars or info lines to bury the bench's own), restored after."""
+    with ray_data_settings(), warnings.catch_warnings():  # e.g. a concurrency above the read tasks a small set makes
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.data")
+        yield
 
 
-def ray_data_settings(cores: int) -> dict[str, Callable[[int], dict[str, Any]]]:
+def ray_data_tries(cores: int) -> dict[str, Callable[[int], dict[str, Any]]]:
     """read_parquet's settings tried, by name (each a function of the file count): its defaults, and its file-based
     datasource (`DataContext.use_datasource_v2 = False`; Ray 2.60's default packs files into few large read tasks
     whose first rows come after a listing task) with a block per file at one task per core, and at 4 tasks per
@@ -288,7 +278,7 @@ def read_part(mb: float, seq_len: int, latency_ms: float, rounds: int, cores: in
         urls = {"whole": f"s3://{BUCKET}/data", "part": f"s3://{BUCKET}/part"}
         fs = PyFileSystem(FSSpecHandler(open_url(urls["whole"], options).fs))  # the very client cs3ray's storage makes
         paths = [f"{BUCKET}/data/{e['file']}" for e in train]
-        settings = ray_data_settings(cores)
+        settings = ray_data_tries(cores)
         with quiet_ray_data():
             tried = _try_settings(endpoint, settings, paths, fs, train[:n], fitted, say)
             rank = "steady_mb_s" if fitted else "mb_s"

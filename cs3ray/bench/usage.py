@@ -1,51 +1,13 @@
-"""A process's CPU share and its peak memory growth over a block of work, measured with psutil.
-
-`PeakRss` samples this process's resident set from a thread (a driver that gathers a corpus shows
-it as growth; one that only plans and waits stays flat); `CpuShare` is another process's CPU seconds
+"""Another process's CPU share over a block of work, measured with psutil: `CpuShare` is its CPU seconds
 per wall second (1.0: one core busy all the time), e.g. a loopback S3 endpoint serving a bench.
+(A process's own peak memory growth is `cs3ray.data.peak_rss.PeakRss`.)
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import psutil
-
-MB = 2**20
-
-
-class PeakRss:
-    """`with PeakRss() as peak: ...`, then `peak.growth_mb`: the highest RSS sampled minus the RSS at entry."""
-
-    def __init__(self, interval_s: float = 0.02) -> None:
-        self.interval_s, self.base, self.peak = interval_s, 0, 0
-        self._proc = psutil.Process()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _sample(self) -> None:
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> "PeakRss":
-        self.base = self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, daemon=True, name="cs3-rss-sampler")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._sample()
-
-    @property
-    def growth_mb(self) -> float:
-        return (self.peak - self.base) / MB
 
 
 class CpuShare:

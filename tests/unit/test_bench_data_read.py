@@ -7,7 +7,8 @@ import pytest
 
 from cs3ray.bench.data_read import Epoch, fit
 from cs3ray.bench.loopback_s3 import ProxyProcess, s3_options
-from cs3ray.bench.usage import CpuShare, PeakRss
+from cs3ray.bench.usage import CpuShare
+from cs3ray.data.peak_rss import PeakRss
 
 
 def test_fit_separates_startup_from_the_steady_rate():
