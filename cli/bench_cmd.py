@@ -6,11 +6,12 @@ import os
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from cs3ray.bench.report import EXIT_CODES, emit, measured
 from cs3ray.bench.stats import verdict_line
 
-from .common import JsonOpt, err_console, user_errors
+from .common import JsonOpt, err_console, note, user_errors
 
 app = typer.Typer(help="Benchmarks: each compares cs3ray with its peer in one run and prints ratios. " + EXIT_CODES,
                   no_args_is_help=True)
@@ -29,7 +30,7 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
     from cs3ray.bench import train as train_bench
 
     r = measured("train", train_bench.run, config, quick, threads,
-                 log=lambda line: err_console.print(line, highlight=False), pipelines=pipelines)
+                 log=note, pipelines=pipelines)
     where = (f"{r['config']}, {r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}, "
              f"peak {r['peak_flops'] / 1e12:.3f} TFLOP/s, {r['steps_per_run']} steps a run measured from the steady state")
     if pipelines:
@@ -47,7 +48,7 @@ def recovery_cmd(quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """SIGKILL a worker mid-run: time back to training, cs3ray vs. a plain Ray Train loop."""
     from cs3ray.bench import recovery
 
-    r = measured("recovery", recovery.run, quick, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("recovery", recovery.run, quick, log=note)
     emit(f"recovery from a worker SIGKILL ({r['rounds']} kills a run), cs3ray's modes vs plain Ray Train, snapshot "
          f"every {r['interval_steps']} steps: median seconds to the next step and to full size (x Ray Train's "
          f"[95% interval]), steps redone, samples repeated and skipped (data trace). {verdict_line(r)}",
@@ -77,7 +78,7 @@ def disk_cmd(path: Optional[str] = typer.Option(None, "--path", help="Folder on 
     """Compute a checkpoint-sized write takes from training on this host: GEMMs beside a write vs. alone."""
     from cs3ray.bench import disk
 
-    r = measured("disk", disk.run, path, mb, quick=quick, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("disk", disk.run, path, mb, quick=quick, log=note)
     emit(f"disk write beside compute ({r['write_mb']} MB in {r['files']} files, {r['threads']} threads; medians of "
          f"{r['repeats']} rounds [95% interval]; no target)",
          ["measure", "unit", "value"], disk.rows(r), {k: r[k] for k in disk.JSON_KEYS}, as_json)
@@ -94,7 +95,7 @@ def cache_cmd(size_mb: int = typer.Option(256, min=8, help="Dataset size in MB o
     from cs3ray.bench import cache as cache_bench
 
     r = measured("cache", cache_bench.run, size_mb, latency_ms, prefetch=prefetch, quick=quick,
-                 log=lambda m: err_console.print(f"[dim]{m}[/]"))
+                 log=lambda m: err_console.print(f"[dim]{escape(m)}[/]", highlight=False))
     emit(cache_bench.title(r), cache_bench.columns(r), cache_bench.rows(r),
          {k: r[k] for k in cache_bench.JSON_KEYS}, as_json)
 
@@ -114,7 +115,7 @@ def data_cmd(mb: int = typer.Option(50, min=1, help="MB of source text prepared 
     from cs3ray.bench import data as data_bench
 
     r = measured("data", data_bench.run, mb, latency_ms, quick=quick, read_mb=read_mb, read_seq_len=seq_len,
-                 log=lambda line: err_console.print(line, highlight=False))
+                 log=note)
 
     emit(f"Ray Data in the data path ({r['corpus_mb']} MB of {r['corpus']}, {r['tokenizer']}; read "
          f"{r['dataset_mb']} MB in {r['train_shards']} shards of {r['shard_mb']} MB, {r['latency_ms']} ms/request, "
@@ -139,7 +140,7 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
 
     require_peer(peer)  # one line naming the extra, before anything starts
     r = measured("serve", serve_bench.run, quick=quick, small=small, dtype=dtype, peer=peer,
-                 log=lambda line: err_console.print(line, highlight=False))
+                 log=note)
     rows = [(model, mode, c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"], cell["p99_itl_ms"],
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]
@@ -165,7 +166,7 @@ def compress_cmd(seeds: Optional[int] = typer.Option(None, "--seeds", min=2, max
     from cs3ray.bench import compress as compress_bench
 
     r = measured("compress", compress_bench.run, quick=quick, seeds=seeds,
-                 log=lambda line: err_console.print(line, highlight=False))
+                 log=note)
     emit(compress_bench.title(r), compress_bench.COLUMNS, compress_bench.rows(r), r, as_json)
 
 
@@ -186,7 +187,7 @@ def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help
 
         counts = comm_scale.parse_ranks(ranks)
         r = measured("comm", comm_scale.run, counts, quick=quick,
-                     log=lambda line: err_console.print(line, highlight=False))
+                     log=note)
         verdict = "met" if r["met"] else "not met: " + "; ".join(r["not_met"])
         emit(f"collectives as ranks grow (gloo, loopback; bytes within {r['bytes_tolerance']:.0%} of the formula, "
              f"compressed messages <= a ring's: {verdict})", comm_scale.COLUMNS, comm_scale.rows(r), r, as_json)
@@ -194,7 +195,7 @@ def comm_cmd(link_gbps: float = typer.Option(1.0, "--link-gbps", min=0.001, help
     from cs3ray.bench import comm as comm_bench
 
     r = measured("comm", comm_bench.run, quick=quick, link_gbps=link_gbps,
-                 log=lambda line: err_console.print(line, highlight=False))
+                 log=note)
     link = f"link {r['link_gbps']:g} Gb/s" if r["link_gbps"] else "link skipped"
     emit(f"communication (2 ranks, gloo; sizes {r['sizes_mib']} MiB; {link}; medians of {r['reps']} paired rounds "
          f"[95% interval]: {comm_bench.verdict_line(r)})",
@@ -208,7 +209,7 @@ def ckpt_cmd(config: str = typer.Option("configs/small.yaml", "--config", help="
     """Checkpoint overhead sync vs async, fine-tune incremental size, restore from memory vs S3."""
     from cs3ray.bench import ckpt as ckpt_bench
 
-    r = measured("ckpt", ckpt_bench.run, config, quick, log=lambda line: err_console.print(line, highlight=False))
+    r = measured("ckpt", ckpt_bench.run, config, quick, log=note)
     emit(ckpt_bench.title(r), ["measure", "unit", "value"], ckpt_bench.rows(r),
          {k: r[k] for k in ckpt_bench.JSON_KEYS}, as_json)
 
@@ -226,5 +227,5 @@ def balance_cmd(straggler: str = typer.Option("burn", "--straggler",
     from cs3ray.bench import balance as balance_bench
 
     r = measured("balance", balance_bench.run, quick, slowdown,
-                 log=lambda line: err_console.print(line, highlight=False), straggler=straggler)
+                 log=note, straggler=straggler)
     emit(balance_bench.title(r), balance_bench.COLUMNS, balance_bench.rows(r), r, as_json)

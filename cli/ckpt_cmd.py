@@ -8,6 +8,7 @@ import time
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import (
@@ -18,6 +19,7 @@ from .common import (
     StoredReplicasOpt,
     console,
     err_console,
+    note,
     user_errors,
 )
 
@@ -58,9 +60,9 @@ def verify(target: str = typer.Argument(..., help="RUN (every checkpoint), RUN/S
 
     def show(r: dict) -> None:
         if r["ok"]:
-            out.print(f"[green]ok[/]  {r['url']}  ({r['files']} files, {r['chunks']} chunks)", highlight=False)
+            out.print(f"[green]ok[/]  {escape(r['url'])}  ({r['files']} files, {r['chunks']} chunks)", highlight=False)
         else:
-            out.print(f"[red]bad[/] {r['url']}: {r['error']}", highlight=False)
+            out.print(f"[red]bad[/] {escape(r['url'])}: {escape(r['error'])}", highlight=False)
 
     results = verify_checkpoints(target, runtime_storage_options(storage or [], storage_options), show)
     bad = [r["error"] for r in results if not r["ok"]]
@@ -120,7 +122,7 @@ def import_hf(src: str = typer.Argument(..., help="Hugging Face Llama directory 
 
     out = err_console if as_json else console
     r = import_dir(src, name, runtime_storage_options(storage or [], storage_options), tokenizer,
-                   note=lambda line: err_console.print(line, highlight=False))
+                   note=note)
     out.print(f"imported {r['params']:,} parameters ({r['tokenizer']} tokenizer) -> {r['url']}", highlight=False)
     if as_json:
         print(json.dumps(r))

@@ -13,6 +13,12 @@ from cs3ray.errors import UserError
 console = Console()
 err_console = Console(stderr=True)
 
+
+def note(line: str) -> None:
+    """A progress line of text that comes from elsewhere (a log, an error, a path) on stderr, as it is:
+    never read as markup, where `[/path]` would raise and `[red]` would vanish."""
+    err_console.print(line, markup=False, highlight=False)
+
 F = TypeVar("F", bound=Callable)
 
 # Shared options, defined once (as skypilot's flags.py does).

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cs3ray.errors import UserError
 
-from .common import JsonOpt, OverridesArg, console, err_console, fail, overrides_list, user_errors
+from .common import JsonOpt, OverridesArg, console, err_console, fail, note, overrides_list, user_errors
 
 if TYPE_CHECKING:
     from cs3ray.ops import jobs
@@ -56,7 +56,6 @@ def _follow(dashboard: jobs.Dashboard, job_id: str, raw: bool) -> None:
     from .job_lines import Renderer
 
     render = Renderer(lambda text: (sys.stdout.write(text), sys.stdout.flush()), raw=raw)
-    note = lambda line: err_console.print(line, highlight=False)  # noqa: E731
     try:
         status = job_follow.follow(dashboard, job_id, render, note)
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import JsonOpt, StorageOptionsOpt, StorageOverridesArg, console, err_console, user_errors
@@ -37,10 +38,10 @@ def report(run: str = typer.Argument(..., help="Run name (runs/<name>), path or 
     r = write_report(record, target)
     shown = err_console if as_json else console
     for name, title in r.plots.items():
-        shown.print(f"wrote {target.child(name).url}  ({title})", highlight=False)
+        shown.print(f"wrote {target.child(name).url}  ({title})", markup=False, highlight=False)
     for name, why in r.skipped.items():
-        shown.print(f"[yellow]skipped[/] {name}: {why}", highlight=False)
-    shown.print(f"summary: {target.child('report.md').url}", highlight=False)
+        shown.print(f"[yellow]skipped[/] {escape(name)}: {escape(why)}", highlight=False)
+    shown.print(f"summary: {target.child('report.md').url}", markup=False, highlight=False)
     if as_json:
         print(json.dumps(r.to_dict()))
 

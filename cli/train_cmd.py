@@ -52,15 +52,16 @@ class TrainProgress:
             info = f"loss {e['loss']:.3f}  {e['tokens_per_s']:,.0f} tok/s"
             self.bar.update(self.task, completed=e["step"], info=info)
         elif kind == "checkpoint":
-            self.bar.console.print(f"checkpoint step {e['step']} -> {e['url']} ({e['seconds']:.1f}s)")
+            self.bar.console.print(f"checkpoint step {e['step']} -> {e['url']} ({e['seconds']:.1f}s)", markup=False)
         elif kind == "stopping":
             self.bar.console.print("stopping: taking a checkpoint (Ctrl-C again to abort)")
         elif kind == "restart":
-            self.bar.console.print(f"restart {e['attempt']}: {e['cause']}", highlight=False)
+            self.bar.console.print(f"restart {e['attempt']}: {e['cause']}", markup=False, highlight=False)
         elif kind == "preemption":
             from cs3ray.train.restarts import preemption_cause
 
-            self.bar.console.print(f"{preemption_cause(e)}: taking a snapshot of the current step", highlight=False)
+            self.bar.console.print(f"{preemption_cause(e)}: taking a snapshot of the current step", markup=False,
+                                   highlight=False)
         elif kind == "restored":
             self.bar.console.print(f"resumed from step {e['step']}")
 
@@ -93,4 +94,4 @@ def train_cmd(config: str = typer.Argument(..., help="YAML job config (see confi
                   f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}, "
                   f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f}s"
                   + (" (stopped early)" if summary["stopped_early"] else ""))
-    console.print(f"checkpoint: {summary['checkpoint']}", highlight=False)
+    console.print(f"checkpoint: {summary['checkpoint']}", markup=False, highlight=False)

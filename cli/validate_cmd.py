@@ -10,7 +10,7 @@ import typer
 from cs3ray.bench.report import emit, measured
 from cs3ray.errors import UserError
 
-from .common import AddressOpt, JsonOpt, err_console, user_errors
+from .common import AddressOpt, JsonOpt, err_console, note, user_errors
 
 OutOpt = typer.Option(None, "--out", help="Also write the report as markdown to FILE.")
 
@@ -52,7 +52,7 @@ def validate_cmd(address: Optional[str] = AddressOpt,
         _soak(address, soak, soak_interval, as_json)
         return
     r = measured("validate", validate.run, address, quick, storage, min_mfu,
-                 log=lambda line: err_console.print(line, highlight=False), link_gbps=link_gbps, cache=cache)
+                 log=note, link_gbps=link_gbps, cache=cache)
     emit(f"cs3 validate ({r['level']}; figures measured repeatedly: median of the rounds [95% interval], "
          "PASS needs the verdict met)", validate.COLUMNS, validate.rows(r), r, as_json)
     if out is not None:
@@ -77,7 +77,7 @@ def _soak(address: Optional[str], duration: str, interval: str, as_json: bool) -
     if interval_s * 3 > duration_s:
         raise UserError(f"--soak {duration} holds fewer than 3 samples of --soak-interval {interval}: a slope needs more.")
     r = measured("soak", soak.run, duration_s, interval_s, address,
-                 log=lambda line: err_console.print(line, highlight=False))
+                 log=note)
     emit(f"soak of {duration_s:.0f} s, a sample every {interval_s:.0f} s ({r['samples']} samples; {r['training_steps']} "
          f"training steps, {r['checkpoints']} checkpoints, {r['restarts']} restart(s), {r['requests']} requests, "
          f"{r['errors']} errors): failed series and every aggregate, growth extrapolated to 72 h",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import signal
 import ssl
@@ -131,7 +132,9 @@ def merged_serve(stored: ServeConfig, overrides: dict[str, Any] | None) -> Serve
         return type(stored).model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise UserError(f"serve.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        where = ".".join(map(str, err["loc"]))
+        shown = json.dumps(err.get("input"), default=lambda v: type(v).__name__)
+        raise UserError(f"serve.{where}={shown} is invalid: {err['msg']}.") from None
 
 
 def resolve_engine(serve_cfg: ServeConfig, model_target: str | None) -> ServeConfig:

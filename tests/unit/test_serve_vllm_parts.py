@@ -47,8 +47,8 @@ def test_serve_section_takes_engine_tp_pp_and_refuses_bad_values(tmp_path):
     run = tmp_path / "run"
     make_checkpoint(run, step=1)
     assert make_spec(str(run), overrides={"pp": 1}).serve.engine == "builtin"  # the dependency-free default
-    for overrides, needle in (({"engine": "tensorrt"}, "serve.engine: Input should be 'builtin', 'vllm' or 'auto'"),
-                              ({"tp": 0}, "serve.tp: Input should be greater than or equal to 1"),
+    for overrides, needle in (({"engine": "tensorrt"}, 'serve.engine="tensorrt" is invalid: Input should be .builtin., .vllm. or .auto.'),
+                              ({"tp": 0}, "serve.tp=0 is invalid: Input should be greater than or equal to 1"),
                               ({"tp": 2}, "serve.tp=2 and serve.pp=1 split a model across devices with serve.engine=vllm")):
         with pytest.raises(UserError, match=needle):
             make_spec(str(run), overrides=overrides)
@@ -152,5 +152,5 @@ def test_serve_job_and_rayservice_builder_take_the_serve_section(tmp_path, capsy
     from jobs.serve_app import ServeAppArgs
     from jobs.serve_app import app as builder
 
-    with pytest.raises(UserError, match="serve.pp: Input should be greater than or equal to 1"):
+    with pytest.raises(UserError, match="serve.pp=0 is invalid: Input should be greater than or equal to 1"):
         builder(ServeAppArgs(run=str(run), insecure=True, serve={"engine": "builtin", "pp": 0}))
