@@ -14,6 +14,10 @@ import time
 from typing import Any
 
 DIED = "a worker process died without reporting an error (killed, out of memory, or its node was lost)"
+# What a survivor's collective raises when a peer process is gone (gloo, NCCL): the peer's death is the
+# cause, the survivor's error only its echo.
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "remote process exited",
+             "caused by a remote worker crashing")
 
 
 def failure_event(rank: int, step: int | None, exc: BaseException) -> dict[str, Any]:
@@ -35,7 +39,10 @@ class RestartExplainer:
     def before(self, event: dict[str, Any]) -> dict[str, Any] | None:
         kind = event.get("event")
         if kind == "failure":
-            self.failure = self.failure or event  # the first error of an attempt is its cause
+            # The first error of an attempt is its cause, unless it only echoes a peer that died: a peer's
+            # own error that arrives later is then the cause.
+            if self.failure is None or (peer_gone(self.failure) and not peer_gone(event)):
+                self.failure = event
             return None
         if kind == "preemption":
             self.preemption = self.preemption or event
@@ -50,6 +57,8 @@ class RestartExplainer:
             return None
         if preemption is not None:
             cause = preemption_cause(preemption)
+        elif failure is not None and peer_gone(failure):
+            cause = f"{DIED}; worker {failure['rank']} then lost its connection to it at step {failure.get('step')}"
         elif failure is not None:
             where = f" at step {failure['step']}" if failure.get("step") is not None else ""
             cause = f"worker {failure['rank']} failed{where}: {failure['error']}"
@@ -59,6 +68,12 @@ class RestartExplainer:
             cause = DIED
         return {"event": "restart", "wall": event.get("wall", time.time()), "attempt": self.starts - 1,
                 "step": event.get("step"), "cause": cause}
+
+
+def peer_gone(failure: dict[str, Any]) -> bool:
+    """A failure that only reports a peer process gone (a collective's connection closed under it)."""
+    error = str(failure.get("error", "")).lower()
+    return any(words in error for words in PEER_GONE)
 
 
 def preemption_cause(event: dict[str, Any]) -> str:

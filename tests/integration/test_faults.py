@@ -50,7 +50,8 @@ def test_worker_sigkill_mid_run_recovers_from_the_snapshot(ray_head, tmp_path):
     assert summary["steps"] == 14 and summary["restarts"] == 1 and summary["workers"] == 2
     from cs3ray.train.restarts import DIED
 
-    assert summary["restart_causes"] == [DIED]  # a SIGKILL leaves no error to report
+    # A SIGKILL leaves no error to report; the survivor's broken collective is named as its echo.
+    assert len(summary["restart_causes"]) == 1 and summary["restart_causes"][0].startswith(DIED)
     restored = [e for e in _events(log) if e["event"] == "restored"]
     assert len(restored) == 1 and 4 <= restored[0]["step"] <= killed_at + 2
     assert (run_dir / "step-00000014" / "manifest.json").exists()
