@@ -1,8 +1,10 @@
 """A run's checkpoint as the Hugging Face directory vLLM loads: cs3ray's own HF export, made once per run,
-step and dtype in a local cache and reused by every replica (and restart) that serves that step."""
+step and dtype in a node's cache and reused by every replica (and restart) that serves that step."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -10,7 +12,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -49,34 +51,44 @@ def export_path(cache_dir: str | None, run_url: str, step: int, dtype: torch.dty
     return root / run_key(run_url) / f"step-{step:08d}-{dtype_name(dtype)}"
 
 
+@contextlib.contextmanager
+def export_lock(cache_dir: str | None, run_url: str, dtype: torch.dtype) -> Iterator[None]:
+    """Held while one process looks for, or writes, an export of `run_url` in `dtype`: replicas starting
+    together on a node wait for the first one's export instead of each converting the whole model."""
+    where = export_path(cache_dir, run_url, 0, dtype).parent
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / f".export-{dtype_name(dtype)}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        yield
+
+
 def cached_export(run_url: str, storage_options: dict | None, dtype: torch.dtype, cache_dir: str | None = None,
                   replicas: Sequence[str] = (), stored_replicas: bool = False) -> Export:
     """The HF export of `run_url`'s newest good checkpoint in `dtype`: from the cache, else written there.
 
-    Written into a private temporary directory and renamed into place, so a reader never sees a partial
-    export and replicas exporting the same step at once keep one copy (the loser's is removed).
+    One process per cache exports a step (export_lock); it writes into a private temporary directory
+    renamed into place, so a reader never sees a partial export, also after a crash mid-export.
     """
     step = open_checkpoint(run_url, storage_options, replicas=replicas, stored_replicas=stored_replicas).step
-    path = export_path(cache_dir, run_url, step, dtype)
-    if path.is_dir():
+    if (path := export_path(cache_dir, run_url, step, dtype)).is_dir():
         return Export(str(path), step, False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-    try:
-        done = export_hf(run_url, str(tmp), storage_options, dtype=dtype, replicas=replicas,
-                         stored_replicas=stored_replicas)
-        # A newer checkpoint may have landed in between: the export names the step it holds.
-        step = done["step"]
-        path = export_path(cache_dir, run_url, step, dtype)
-        ckpt = open_checkpoint(run_url, storage_options, step=step, replicas=replicas, stored_replicas=stored_replicas)
-        (tmp / CS3_TOKENIZER).write_bytes(ckpt.read("tokenizer.json"))
-        (tmp / CS3_CONFIG).write_bytes(ckpt.read("config.yaml"))
+    with export_lock(cache_dir, run_url, dtype):
+        if path.is_dir():  # written by the replica that held the lock before this one
+            return Export(str(path), step, False)
+        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
         try:
+            done = export_hf(run_url, str(tmp), storage_options, dtype=dtype, replicas=replicas,
+                             stored_replicas=stored_replicas)
+            # A newer checkpoint may have landed in between: the export names the step it holds.
+            step = done["step"]
+            path = export_path(cache_dir, run_url, step, dtype)
+            if path.is_dir():
+                return Export(str(path), step, False)
+            ckpt = open_checkpoint(run_url, storage_options, step=step, replicas=replicas,
+                                   stored_replicas=stored_replicas)
+            (tmp / CS3_TOKENIZER).write_bytes(ckpt.read("tokenizer.json"))
+            (tmp / CS3_CONFIG).write_bytes(ckpt.read("config.yaml"))
             tmp.rename(path)
-        except OSError:
-            if not path.is_dir():
-                raise
-            return Export(str(path), step, False)  # another replica finished first
-        return Export(str(path), step, True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            return Export(str(path), step, True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

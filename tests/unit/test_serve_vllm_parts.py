@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from cs3ray.config import ConfigError, runtime_serve_options
 from cs3ray.config.schema import ServeConfig
 from cs3ray.errors import UserError
 from cs3ray.models import ByteTokenizer
-from cs3ray.serve import vllm_engine
+from cs3ray.serve import vllm_engine, vllm_export
 from cs3ray.serve.deploy import make_spec, placement
 from cs3ray.serve.launch import cluster_cpus
 from cs3ray.serve.vllm_engine import MISSING, VLLMOptions, require_vllm
@@ -139,6 +141,26 @@ def test_export_is_cached_per_run_and_step_with_the_tokenizer_and_eos(tmp_path):
     assert newer.step == 2 and newer.created and Path(newer.path).parent == where.parent
     assert not [p for p in where.parent.iterdir() if p.name.startswith(".tmp-")]  # no partial export left
     assert run_key(str(run)) != run_key(str(tmp_path / "other" / "run"))  # runs named alike stay apart
+
+
+def test_replicas_starting_together_on_a_node_export_the_step_once(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    run, cache = tmp_path / "run", str(tmp_path / "cache")
+    make_checkpoint(run, step=3)
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    real = vllm_export.export_hf
+    monkeypatch.setattr(vllm_export, "export_hf", counted)
+    # Each call opens the lock file itself, as each replica process does: flock holds between them.
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: cached_export(str(run), None, torch.float32, cache), range(4)))
+    assert len(calls) == 1  # one conversion of the model, not one per replica
+    assert len({done.path for done in results}) == 1 and sum(done.created for done in results) == 1
+    assert Path(results[0].path).joinpath(CS3_TOKENIZER).is_file()
 
 
 def test_serve_job_and_rayservice_builder_take_the_serve_section(tmp_path, capsys):
