@@ -339,7 +339,8 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
                 if peer:
                     result["peer"] = serve_peer.bench_peer(
                         tiny, port, result["unloaded_latency_s"], _plan("tiny", quick),
-                        lambda c: _rounds("tiny", c, quick), dtype, max_batch, _clean, Path(tmp), log)
+                        lambda c: serve_peer.peer_rounds(c, quick, _rounds("tiny", c, quick)), dtype, max_batch,
+                        _clean, Path(tmp), log)
                     result = serve_peer.judged(result)
                 if small:
                     result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,

@@ -139,10 +139,10 @@ class LLMServer:
 
     def _start_vllm(self, spec: ServeSpec) -> None:
         """serve.engine=vllm: vLLM over the checkpoint's HF export, behind the same routes (vllm_replica)."""
-        from .vllm_replica import VLLMFollower, start_vllm, vllm_device
+        from .vllm_replica import VLLMFollower, start_vllm
 
         replica = start_vllm(spec, RayMetrics())
-        self.dtype = spec.dtype(vllm_device(spec))
+        self.dtype = replica.engine.dtype  # what vLLM runs, not only what was asked
         self.tokenizer, self.context, self.engine = replica.tokenizer, replica.context, replica.engine
         self.max_prompt_chars = spec.serve.max_prompt_chars or prompt_char_limit(self.context,
                                                                                  self.tokenizer.token_bytes())

@@ -136,6 +136,11 @@ class VLLMEngine:
         self._busy_s, self._busy_since = 0.0, 0.0
         self._stopped = False
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision vLLM runs the served model in (its model config), as /healthz reports it."""
+        return self._served.llm.model_config.dtype
+
     # --- the engine interface --------------------------------------------------------------
     def submit(self, req: GenRequest) -> None:
         """Start `req` on the current engine; called in the replica's event loop."""

@@ -17,11 +17,17 @@ from conftest import run_cs3  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def test_bench_serve_peer_vllm_quick(tmp_path):
-    proc = run_cs3(["bench", "serve", "--quick", "--peer", "vllm", "--json"], cwd=tmp_path, timeout=1200)
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_NAMES))
+def test_bench_serve_peer_vllm_quick(tmp_path, dtype):
+    proc = run_cs3(["bench", "serve", "--quick", "--peer", "vllm", "--dtype", dtype, "--json"], cwd=tmp_path,
+                   timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would name the first failed request
     r = json.loads(proc.stdout.splitlines()[-1])
     peer = r["peer"]
+    assert r["dtype"] == dtype and peer["engine_args"]["dtype"] == TORCH_NAMES[dtype]  # every side's precision
     assert peer["cores"] and set(peer["sides"]) == {"builtin", "vllm", "serve_vllm"}
     for side in peer["sides"].values():
         assert set(side) == {"1", "4", "16", "64"} and all(cell["errors"] == 0 for cell in side.values())

@@ -24,7 +24,7 @@ from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 
 from conftest import run_cs3
-from helpers.prometheus import scrape
+from helpers.prometheus import wait_serve_metrics
 from helpers.serve_checkpoints import make_checkpoint
 
 TOKEN = "s3cret-token"
@@ -112,20 +112,13 @@ def test_engine_metrics_reach_the_prometheus_endpoint(app, ray_head):
     c = client(app)
     list(c.completions.create(model="tiny-test", prompt="x", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
 
-    def total(family: str, suffix: str) -> float:
-        return sum(s.value for s in found.get(family, []) if s.name.endswith(suffix))
-
     # Until each replica's last push is in: 6 tokens, so a first token and 5 gaps between tokens.
-    deadline, found = time.time() + 60, {}
-    while time.time() < deadline and not (SERVE_METRICS.keys() <= found.keys()
-                                          and total("cs3_serve_generated_tokens", "_total") >= 6
-                                          and total("cs3_serve_inter_token_seconds", "_count") >= 5):
-        found = {name[len("ray_"):]: samples for name, samples in scrape(ray_head.metrics_url, "ray_cs3_serve_").items()}
-        time.sleep(0.5)
-    assert SERVE_METRICS.keys() <= found.keys(), sorted(found)
-    assert total("cs3_serve_ttft_seconds", "_count") >= 1 and total("cs3_serve_generated_tokens", "_total") >= 6
-    assert total("cs3_serve_inter_token_seconds", "_count") >= 5
-    itl = found["cs3_serve_inter_token_seconds"]
+    series = wait_serve_metrics(ray_head.metrics_url, SERVE_METRICS, tokens=6)
+    assert SERVE_METRICS.keys() <= series.found.keys(), sorted(series.found)  # the gauges too
+    assert series.total("cs3_serve_ttft_seconds", "_count") >= 1
+    assert series.total("cs3_serve_generated_tokens", "_total") >= 6
+    assert series.total("cs3_serve_inter_token_seconds", "_count") >= 5
+    itl = series.found["cs3_serve_inter_token_seconds"]
     # Tagged by application and node, not by replica (a process): replicas of a node add up in a query.
     assert all("replica" not in s.labels and s.labels["node"] and s.labels["application"] for s in itl)
 

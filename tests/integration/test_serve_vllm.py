@@ -21,7 +21,7 @@ from cs3ray.ops.ports import free_port  # noqa: E402
 from cs3ray.serve.deploy import deploy, make_spec, shutdown  # noqa: E402
 from cs3ray.serve.vllm_export import export_path  # noqa: E402
 
-from helpers.prometheus import scrape  # noqa: E402
+from helpers.prometheus import wait_serve_metrics  # noqa: E402
 from helpers.serve_checkpoints import make_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,13 @@ TOKEN = "vllm-s3cret"
 NAME = "tiny-vllm"
 
 
-@pytest.fixture(scope="module")
-def served(ray_client, tmp_path_factory):
-    """A token-protected vllm app over a random-weight tiny checkpoint (fp32), following its run."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module", params=list(DTYPES))
+def served(request, ray_client, tmp_path_factory):
+    """A token-protected vllm app over a random-weight tiny checkpoint (trained in fp32), served in each
+    precision, following its run."""
     from ray import serve
 
     port = free_port()
@@ -40,10 +44,10 @@ def served(ray_client, tmp_path_factory):
     run = root / "run"
     make_checkpoint(run, step=1)
     spec = make_spec(str(run), name=NAME, token=TOKEN, follow=True,
-                     overrides={"engine": "vllm", "dtype": "fp32", "max_batch": 8, "follow_interval_s": 1.0,
+                     overrides={"engine": "vllm", "dtype": request.param, "max_batch": 8, "follow_interval_s": 1.0,
                                 "kv_cache_mb": 64, "export_dir": str(root / "exports")})
     url = deploy(spec, "127.0.0.1", port)
-    yield url, run, spec
+    yield url, run, spec, DTYPES[request.param]
     shutdown(spec.name)
     serve.shutdown()
 
@@ -58,10 +62,11 @@ def health(url: str) -> dict:
 
 
 def test_openai_client_completions_chat_stream_and_token(served):
-    url, run, spec = served
+    url, run, spec, dtype = served
     c = client(url)
     assert health(url)["checkpoint"] == "step-1"
-    assert export_path(spec.serve.export_dir, spec.run, 1, torch.float32).is_dir()  # cached per step
+    assert health(url)["dtype"] == str(dtype).removeprefix("torch.")  # the precision vLLM runs
+    assert export_path(spec.serve.export_dir, spec.run, 1, dtype).is_dir()  # cached per step, in its dtype
     out = c.completions.create(model=NAME, prompt="def main(", max_tokens=12, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
     assert out.usage.prompt_tokens >= len("def main(")  # the byte tokenizer: a token a byte
@@ -89,25 +94,18 @@ def test_openai_client_completions_chat_stream_and_token(served):
 def test_engine_metrics_reach_the_prometheus_endpoint(served, ray_head):
     from cs3ray.serve.metrics import SERVE_METRICS
 
-    url, _, _ = served
+    url, _, _, _ = served
     list(client(url).completions.create(model=NAME, prompt="x", max_tokens=6, stream=True,
                                         extra_body={"ignore_eos": True}))
-    def total(family: str, suffix: str) -> float:  # this app's replicas only
-        return sum(s.value for s in found.get(family, []) if s.name.endswith(suffix) and s.labels.get("application") == NAME)
-
-    deadline, found = time.time() + 60, {}
-    while time.time() < deadline and not (SERVE_METRICS.keys() <= found.keys()
-                                          and total("cs3_serve_generated_tokens", "_total") >= 6
-                                          and total("cs3_serve_inter_token_seconds", "_count") >= 5):
-        found = {name[len("ray_"):]: samples for name, samples in scrape(ray_head.metrics_url, "ray_cs3_serve_").items()}
-        time.sleep(0.5)
-    assert SERVE_METRICS.keys() <= found.keys(), sorted(found)  # the gauges too
-    assert total("cs3_serve_ttft_seconds", "_count") >= 1 and total("cs3_serve_generated_tokens", "_total") >= 6
-    assert total("cs3_serve_inter_token_seconds", "_count") >= 5
+    series = wait_serve_metrics(ray_head.metrics_url, SERVE_METRICS, tokens=6, application=NAME)
+    assert SERVE_METRICS.keys() <= series.found.keys(), sorted(series.found)  # the gauges too
+    assert series.total("cs3_serve_ttft_seconds", "_count") >= 1
+    assert series.total("cs3_serve_generated_tokens", "_total") >= 6
+    assert series.total("cs3_serve_inter_token_seconds", "_count") >= 5
 
 
 def test_follow_rolls_over_to_a_newer_checkpoint_without_failed_requests(served):
-    url, run, _ = served
+    url, run, _, _ = served
     c = client(url)
     failures: list[str] = []
     done = threading.Event()

@@ -59,3 +59,9 @@ def test_a_side_that_measured_nothing_is_inconclusive():
     assert r["builtin_vs_vllm_at_16"] is None and math.isnan(r["builtin_vs_vllm_at_16_interval"][0])
     assert r["vllm_tokens_per_s_at_16"] is None and r["builtin_p99_itl_ms_at_16"] == 20.0
     assert set(r["verdicts"].values()) == {"inconclusive"}  # one round of the built-in: no interval either
+
+
+def test_the_peer_runs_more_rounds_in_the_targets_cell_of_a_default_run():
+    assert serve_peer.peer_rounds(16, quick=False, builtin_rounds=3) == serve_peer.ROUNDS_AT_16 > 3
+    assert serve_peer.peer_rounds(16, quick=True, builtin_rounds=2) == 2  # --quick stays short
+    assert serve_peer.peer_rounds(64, quick=False, builtin_rounds=1) == 1
