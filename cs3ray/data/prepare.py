@@ -8,10 +8,11 @@ Three stages, each spread over the cluster:
    tokens and documents, and where it failed.
 2. plan: from the counts the driver lays out the token stream (which byte ranges of which runs, in
    corpus order, cut after the document that reaches `max_bytes` as `Corpus.documents` does) and the
-   shards (names and sample counts: `shard_layout`). One task draws the train/val split, a permutation
-   of every sample, and writes each split's sorted sample ids to the staging area.
-3. write: plain Ray tasks build each shard from its slice of the ids and the byte ranges of the runs
-   those samples lie in, and write it (skipping a shard already there with the same bytes).
+   shards (names and sample counts: `shard_layout`).
+3. write: plain Ray tasks build each shard from its slice of its split's sorted sample ids, drawn in
+   the task from the few blocks of the split it touches (cs3ray.data.split: no process holds every
+   sample's id), and the byte ranges of the runs those samples lie in, and write it (skipping a shard
+   already there with the same bytes).
 The manifest is written last, after the staging area is removed.
 
 Why the output does not depend on the cluster. A piece's tokens are those of its documents whatever
@@ -54,8 +55,9 @@ from .shards import (
     encode_documents,
     encode_shard,
     shard_layout,
-    split_ids,
+    split_of,
 )
+from .split import Split
 
 BLOCKS_PER_TASK = 4  # blocks per concurrent task: small blocks keep every CPU busy to the end
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 64 << 20  # a file is cut into pieces of this size (automatic)
@@ -363,12 +365,6 @@ def _tokenize(corpus: Corpus, tok: Tokenizer, staging: Storage, max_bytes: int,
     return stream.layout()
 
 
-def _plan(n_tokens: int, source: str, spec: ShardSpec, staging: Storage) -> None:
-    """Ray task: each split's sorted sample ids (the seeded permutation of every sample) to the staging area."""
-    for split, ids in split_ids(n_tokens, source, spec).items():
-        staging.write_bytes(ids.astype("<i8"), f"plan/{split}.ids", durable=False)
-
-
 def _samples(ids: np.ndarray, width: int, staging: Storage, layout: _Layout) -> np.ndarray:
     """The samples `ids` (sorted) of the stream, read as byte ranges of the runs: samples closer than
     READ_GAP are read in one request, all requests at once (concurrent on object stores)."""
@@ -397,13 +393,13 @@ def _read_range(storage: Storage, name: str, start: int, end: int) -> bytes:
 
 
 def _write_shards(shards: list[tuple[int, str, str, int, int]], dest: Storage, staging: Storage,
-                  layout: _Layout, width: int) -> list[dict]:
+                  layout: _Layout, width: int, split_plan: Split) -> list[dict]:
     """Ray task: build and write these shards (skipping files that already hold the same bytes)."""
     out = []
     for j, split, name, start, stop in shards:
         same, error, entry = False, "", {}
         try:
-            ids = np.frombuffer(_read_range(staging, f"plan/{split}.ids", 8 * start, 8 * stop), "<i8")
+            ids = split_plan.ids(split, start, stop)
             entry, data = encode_shard(name, _samples(ids, width, staging, layout))
             same = dest.exists(name) and hashlib.sha256(dest.read_bytes(name)).hexdigest() == entry["sha256"]
             if not same:
@@ -415,7 +411,8 @@ def _write_shards(shards: list[tuple[int, str, str, int, int]], dest: Storage, s
 
 
 def _write_all(layout: list[tuple[str, str, int, int]], dest: Storage, staging: Storage, stream: _Layout,
-               width: int, workers: int, on_shards: Callable[[int, int], None] | None) -> list[dict]:
+               width: int, split_plan: Split, workers: int, on_shards: Callable[[int, int], None] | None,
+               ) -> list[dict]:
     """Every shard of `layout`, written by plain Ray tasks; results in shard order."""
     import ray
 
@@ -425,7 +422,7 @@ def _write_all(layout: list[tuple[str, str, int, int]], dest: Storage, staging: 
     chunks = [shards[i::workers] for i in range(min(len(shards), workers))]
     task = ray.remote(_write_shards).options(**_task_options(_is_local(dest)))
     stream_ref = ray.put(stream)
-    pending = [task.remote(c, dest, staging, stream_ref, width) for c in chunks]
+    pending = [task.remote(c, dest, staging, stream_ref, width, split_plan) for c in chunks]
     rows: list[dict] = []
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -475,9 +472,8 @@ def _prepare(corpus: Corpus, dest: Storage, spec: ShardSpec, progress: Callable[
         with ray_data_settings(preserve_order=True, progress_bars=progress_bars):
             stream = _tokenize(corpus, tok, staging, spec.max_bytes, progress, workers, piece_bytes)
         layout = shard_layout(stream.tokens, corpus.spec, spec)
-        ray.get(ray.remote(_plan).options(**_task_options(_is_local(dest))).remote(stream.tokens, corpus.spec,
-                                                                                   spec, staging))
-        rows = _write_all(layout, dest, staging, stream, spec.seq_len + 1, workers, on_shards)
+        rows = _write_all(layout, dest, staging, stream, spec.seq_len + 1, split_of(stream.tokens, corpus.spec, spec),
+                          workers, on_shards)
         failed = next((r["error"] for r in rows if r["error"]), None)
         if failed:
             raise StorageError(failed)

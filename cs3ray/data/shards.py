@@ -22,6 +22,7 @@ from cs3ray.names import check_name
 from cs3ray.storage import Storage, StorageError, open_url
 
 from .corpus import Corpus, DataError, open_corpus
+from .split import Split
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -124,18 +125,23 @@ def _split_sizes(n_tokens: int, source: str, spec: ShardSpec) -> tuple[int, int]
 
 def shard_layout(n_tokens: int, source: str, spec: ShardSpec) -> list[tuple[str, str, int, int]]:
     """(split, file name, start, stop) of every shard: it holds that slice of its split's sorted sample ids
-    (`split_ids`). Needs only the counts, so a driver plans a corpus of any size without its samples."""
+    (`split_of`). Needs only the counts, so a driver plans a corpus of any size without its samples."""
     n, n_val = _split_sizes(n_tokens, source, spec)
     sps = spec.samples_per_shard
     return [(split, f"{split}-{i:05d}.parquet", start, min(count, start + sps))
             for split, count in (("val", n_val), ("train", n - n_val)) for i, start in enumerate(range(0, count, sps))]
 
 
-def split_ids(n_tokens: int, source: str, spec: ShardSpec) -> dict[str, np.ndarray]:
-    """The sorted sample ids of each split: a seeded permutation of every sample, its first ones validation."""
+def split_of(n_tokens: int, source: str, spec: ShardSpec) -> Split:
+    """The train/val split of a stream of `n_tokens` (drawn block by block: cs3ray.data.split)."""
     n, n_val = _split_sizes(n_tokens, source, spec)
-    order = np.random.default_rng(spec.seed).permutation(n)
-    return {"val": np.sort(order[:n_val]), "train": np.sort(order[n_val:])}
+    return Split(n, n_val, spec.seed)
+
+
+def split_ids(n_tokens: int, source: str, spec: ShardSpec) -> dict[str, np.ndarray]:
+    """The sorted sample ids of each split (all of them: for a stream held in memory)."""
+    split = split_of(n_tokens, source, spec)
+    return {name: split.ids(name) for name in ("val", "train")}
 
 
 def build_manifest(corpus: Corpus, spec: ShardSpec, tok: Tokenizer, n_tokens: int,
