@@ -203,7 +203,7 @@ def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...
     _, context = read_export(export)
     # The standalone server gets the very options the serve.engine=vllm replica starts vLLM with.
     options = VLLMOptions(dtype=specs["serve_vllm"].dtype("cpu"), max_model_len=context, max_batch=s.max_batch,
-                          device="cpu", kv_cache_mb=s.kv_cache_mb)
+                          device="cpu", kv_cache_mb=s.kv_cache_mb, eager=s.eager)
     names = {"builtin": "bench-peer-builtin", "vllm": "bench-peer-vllm", "serve_vllm": "bench-peer-serve-vllm"}
     log_path = workdir / "vllm-server.log"
     t0 = time.perf_counter()

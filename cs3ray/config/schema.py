@@ -401,6 +401,10 @@ class ServeConfig(Section):
                                "is installed (and serves the model), else the built-in engine.")
     tp: int = Field(1, ge=1, description="serve.engine=vllm: tensor-parallel degree of a replica (devices within a node).")
     pp: int = Field(1, ge=1, description="serve.engine=vllm: pipeline-parallel stages of a replica (may span nodes).")
+    eager: bool | None = Field(
+        None, description="serve.engine=vllm: true runs the model eagerly (vLLM starts in seconds, decodes slower), false "
+                          "compiles it first as vLLM does by default (torch.compile on CPUs, CUDA graphs on GPUs); "
+                          "unset: eager on CPUs, compiled on GPUs.")
     export_dir: str | None = Field(
         None, description="serve.engine=vllm: directory the Hugging Face exports are cached in, per run and step "
                           "(unset: ~/.cache/cs3ray/vllm); one every node mounts when a replica spans nodes.")

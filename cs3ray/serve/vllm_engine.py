@@ -58,6 +58,7 @@ class VLLMOptions:
     pp: int = 1
     device: str = "cpu"
     kv_cache_mb: float = 256.0  # the KV cache on CPUs; GPUs use vLLM's share of device memory
+    eager: bool | None = None  # None: eager on CPUs (compiling takes minutes there), compiled on GPUs
 
     def engine_args(self, model_dir: str) -> dict[str, Any]:
         """AsyncEngineArgs' keywords for the export at `model_dir`."""
@@ -67,7 +68,7 @@ class VLLMOptions:
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_batch,
             "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
             # CUDA graphs pay off on GPUs; on CPUs eager mode skips minutes of torch.compile at start.
-            "enforce_eager": cpu, "disable_log_stats": True,
+            "enforce_eager": cpu if self.eager is None else self.eager, "disable_log_stats": True,
         }
         if self.tp * self.pp > 1:
             # The workers go into the replica's placement group (its bundles, see deploy.build_app).

@@ -63,7 +63,7 @@ def start_vllm(spec: ServeSpec, metrics: Metrics | None = None) -> VLLMReplica:
     tokenizer, context = read_export(export)
     s = spec.serve
     options = VLLMOptions(dtype=spec.dtype(device), max_model_len=context, max_batch=s.max_batch,
-                          tp=s.tp, pp=s.pp, device=device, kv_cache_mb=s.kv_cache_mb)
+                          tp=s.tp, pp=s.pp, device=device, kv_cache_mb=s.kv_cache_mb, eager=s.eager)
     engine = VLLMEngine(export.path, options, metrics, step=export.step)
     return VLLMReplica(engine, tokenizer, context, export)
 
