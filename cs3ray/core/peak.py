@@ -57,7 +57,10 @@ def _cuda_peak(dtype: torch.dtype, size: int, seconds: float, device: torch.devi
             end.synchronize()
             best = max(best, CUDA_BURST * 2 * size**3 / (start.elapsed_time(end) / 1e3))  # elapsed_time: ms
             if time.perf_counter() >= deadline:
-                return best
+                break
+        del a, b, out
+        torch.cuda.empty_cache()  # the operands' GiB go back to the device before the training they measure for
+    return best
 
 
 def measure_peak(dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 2.0,
