@@ -194,8 +194,9 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
         raise UserError(f"--pipelines --device cuda needs 2 GPUs (a stage a GPU); torch sees {gpu_count()}.")
     if quick:
         config = "configs/tiny.yaml"
+    two_workers = device != "cuda" or gpu_count() >= 2  # on one GPU the 2-worker runs are left out
     runs = ROUNDS * len(PIPELINE_MODES) * TWO_WORKER_STEP_COST if pipelines else \
-        ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) * TWO_WORKER_STEP_COST
+        ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) * TWO_WORKER_STEP_COST * two_workers
     ctx = _Context(config, quick, threads, runs, log, device)
     with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root, \
             ray_cluster(None, num_cpus=threads + 4, quiet=True, use_recorded=False):
