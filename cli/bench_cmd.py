@@ -24,21 +24,29 @@ def train_cmd(config: str = typer.Option("configs/small.yaml", "--config", help=
               threads: int = typer.Option(os.cpu_count() or 1, min=1, help="Threads for the peer and for 1 worker."),
               pipelines: bool = typer.Option(False, "--pipelines", help="Measure the pipeline schedules on 2 workers "
                                              "against ddp (3 interleaved rounds) instead of the 1-worker overhead."),
+              device: str = typer.Option("cpu", "--device", help="Where every mode trains: cpu, cuda (a GPU a "
+                                         "worker; MFU against the GPU's measured peak) or auto (cuda when visible)."),
               quick: bool = QuickOpt, as_json: bool = JsonOpt) -> None:
     """Plain PyTorch loop vs. the same loop in Ray Train vs. cs3ray, 1 worker (3 interleaved rounds), and
     2 workers per strategy: tokens/s, MFU, memory. --pipelines: gpipe, 1f1b and interleaved 1f1b vs. ddp."""
     from cs3ray.bench import train as train_bench
 
+    from .generate_cmd import pick_device
+
+    where_to = pick_device(device).type  # a bad name or a missing GPU is refused before any work
     r = measured("train", train_bench.run, config, quick, threads,
-                 log=note, pipelines=pipelines)
-    where = (f"{r['config']}, {r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}, "
+                 log=note, pipelines=pipelines, device=where_to)
+    on = (f"{r['card']}, {r['precision']}" if r["device"] == "cuda" else
+          f"{r['threads']} threads on {' '.join(r['cpu_features']) or 'a CPU'}")
+    where = (f"{r['config']}, {on}, "
              f"peak {r['peak_flops'] / 1e12:.3f} TFLOP/s, {r['steps_per_run']} steps a run measured from the steady state")
     if pipelines:
         title = (f"pipeline schedules on 2 workers against ddp ({where}, {r['pp_microbatches']} micro-batches; "
                  f"medians of {r['rounds']} rounds [95% interval]: {verdict_line(r)})")
     else:
         title = (f"training throughput ({where}; medians of {r['rounds']} rounds [95% interval]: {verdict_line(r, 3)}; "
-                 f"fsdp/ddp state {r['fsdp_state_ratio']:.2f})")
+                 + (f"fsdp/ddp state {r['fsdp_state_ratio']:.2f})" if r["fsdp_state_ratio"] is not None
+                    else "no 2-worker runs on one GPU)"))
     emit(title, train_bench.COLUMNS, train_bench.rows(r), r, as_json)
 
 

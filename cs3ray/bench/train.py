@@ -12,6 +12,10 @@ median of the rounds' own ratios, with its 95% interval and a verdict per target
 state on (cs3ray.bench.steady: the step time no longer drifts), by one rule for every mode; the
 first evaluation and the final checkpoint are outside the steps.
 
+`--device cuda` runs the same model on a GPU: the plain loop, the Ray Train peer and cs3ray
+(cluster.use_gpu) each on one GPU, every MFU against a CUDA matmul peak this process measured in
+the run's compute dtype (cs3ray.core.peak); the 2-worker runs need 2 GPUs and are left out on one.
+
 `--pipelines` measures instead 2 workers as one pipeline of 2 stages, the same global batch in
 PP_MICROBATCHES micro-batches, per schedule (gpipe, 1f1b, interleaved 1f1b with 4 stages) against
 ddp on the same 2 workers, the four taking turns for ROUNDS rounds: each schedule's tokens/s ratio
@@ -34,6 +38,7 @@ from cs3ray.core.peak import cpu_features, measure_peak
 from cs3ray.core.pipeline import virtual_stages
 from cs3ray.core.precision import compute_dtype, resolve_precision
 from cs3ray.data.shards import read_split
+from cs3ray.errors import UserError
 from cs3ray.models import train_flops_per_token
 from cs3ray.ops.cluster import ray_cluster
 from cs3ray.train.driver import prepare_data, train
@@ -94,11 +99,19 @@ def cs3_run(cfg_path: str, overrides: list[str], root: str, name: str) -> dict[s
     return summary
 
 
+def run_overrides(steps: int, device: str) -> list[str]:
+    """What every cs3ray run of the bench sets: no evaluation or checkpoint inside the steps (one at the
+    end); on cuda a GPU a worker (and nccl)."""
+    return [f"train.steps={steps}", f"train.eval_every={steps}", "train.eval_batches=1",
+            f"checkpoint.every={steps}", "checkpoint.keep=1", *(["cluster.use_gpu=true"] if device == "cuda" else [])]
+
+
 class _Context:
     """What every run of one bench invocation shares: the config, its batches, threads and steps."""
 
-    def __init__(self, config: str, quick: bool, threads: int, runs: float, log: Callable[[str], None]) -> None:
-        self.config, self.threads, self.log = config, threads, log
+    def __init__(self, config: str, quick: bool, threads: int, runs: float, log: Callable[[str], None],
+                 device: str = "cpu") -> None:
+        self.config, self.threads, self.log, self.device = config, threads, log, device
         self.base = load_config(config)
         self.tokens_per_step = self.base.train.batch_size * self.base.train.seq_len
         log(f"preparing data for {config}")
@@ -108,26 +121,30 @@ class _Context:
             data = read_split(shards, manifest, "train")
         self.data = data
         self.flops_per_token = train_flops_per_token(self.base.model.args(), self.base.train.seq_len)
-        self.precision = resolve_precision(self.base.precision, "cpu")
+        self.precision = resolve_precision(self.base.precision, device)
         self.quick = quick
         self.peak = self.bench_peak(threads)
-        log(f"peak {self.precision} matmul with {threads} threads: {self.peak / 1e12:.3f} TFLOP/s")
+        log(f"peak {self.precision} matmul " + (f"on {device_name(device)}" if device == "cuda" else
+                                                f"with {threads} threads") + f": {self.peak / 1e12:.3f} TFLOP/s")
         if quick:
             self.steps = MIN_STEPS + 4
         else:
             # A step of the same config costs many times more on some CPUs than on others: fit the
             # number of steps to what one step costs here, so the default run stays in budget.
-            step_s = plain_loop(self.base, data, threads, FIRST + 1)[-1]
+            step_s = plain_loop(self.base, data, threads, FIRST + 1, device)[-1]
             self.steps = steps_per_run(step_s, BUDGET_S, runs)
             log(f"one step takes {step_s:.1f} s")
         log(f"{self.steps} steps a run, measured from the steady state on (at least {LEAST}, never the first {FIRST})")
-        # No evaluation or checkpoint inside the steps (one at the end), as few log windows as the mode needs.
-        self.common = [f"train.steps={self.steps}", f"train.eval_every={self.steps}", "train.eval_batches=1",
-                       f"checkpoint.every={self.steps}", "checkpoint.keep=1"]
+        self.common = run_overrides(self.steps, device)
 
     def bench_peak(self, n_threads: int) -> float:
         return measure_peak(compute_dtype(self.precision), n_threads, size=1024 if self.quick else 2048,
-                            seconds=0.5 if self.quick else 2.0)
+                            seconds=0.5 if self.quick else 2.0, device=self.device)
+
+    @property
+    def two_worker_runs(self) -> bool:
+        """Whether the 2-worker runs fit: always on the CPU, on cuda with 2 GPUs (a worker holds one)."""
+        return self.device != "cuda" or gpu_count() >= 2
 
     def measured(self, step_s: list[float]) -> dict[str, Any]:
         """A run's steady part: tokens/s over it, where it starts and whether the drift criterion held."""
@@ -149,16 +166,38 @@ class _Context:
                    if "pp" in r else {})}
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_name(device: str) -> str | None:
+    """The card a cuda run measured on (torch's name of GPU 0), None on the CPU."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else None
+
+
 def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | None = None,
-        log: Callable[[str], None] = print, pipelines: bool = False) -> dict[str, Any]:
-    """Run every mode and return the JSON-able result (`pipelines`: the pipeline schedules against ddp)."""
+        log: Callable[[str], None] = print, pipelines: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Run every mode on `device` (cpu or cuda) and return the JSON-able result (`pipelines`: the pipeline
+    schedules against ddp)."""
     started = time.perf_counter()
     threads = threads or os.cpu_count() or 1
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"unknown device '{device}': use cpu or cuda.")
+    if device == "cuda" and gpu_count() == 0:
+        raise UserError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU visible); "
+                        "use --device cpu or auto.")
+    if device == "cuda" and pipelines and gpu_count() < 2:
+        raise UserError(f"--pipelines --device cuda needs 2 GPUs (a stage a GPU); torch sees {gpu_count()}.")
     if quick:
         config = "configs/tiny.yaml"
+    two_workers = device != "cuda" or gpu_count() >= 2  # on one GPU the 2-worker runs are left out
     runs = ROUNDS * len(PIPELINE_MODES) * TWO_WORKER_STEP_COST if pipelines else \
-        ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) * TWO_WORKER_STEP_COST
-    ctx = _Context(config, quick, threads, runs, log)
+        ROUNDS * len(ONE_WORKER_MODES) + len(STRATEGIES) * TWO_WORKER_STEP_COST * two_workers
+    ctx = _Context(config, quick, threads, runs, log, device)
     with tempfile.TemporaryDirectory(prefix="cs3-bench-train-") as root, \
             ray_cluster(None, num_cpus=threads + 4, quiet=True, use_recorded=False):
         result = _pipelines(ctx, root) if pipelines else _overhead(ctx, root)
@@ -166,15 +205,17 @@ def run(config: str = "configs/small.yaml", quick: bool = False, threads: int | 
     # measurement before the modes and one after, so no MFU is computed against a slow moment.
     peak = max(ctx.peak, ctx.bench_peak(threads))
     # Every MFU here is against peaks this process measured (the 2-worker runs: the peak of one
-    # worker's thread count, times 2). Workers measuring their own peak have come out well below
-    # this process's figure, which put their reported MFU above 1; theirs is kept beside it.
-    peak_per_worker = max(ctx.bench_peak(max(1, threads // 2)) for _ in range(2))
+    # worker's thread count, times 2; on cuda a worker holds a GPU like the one measured, so its
+    # peak). Workers measuring their own peak have come out well below this process's figure
+    # on CPUs, which put their reported MFU above 1; theirs is kept beside it.
+    peak_per_worker = peak if device == "cuda" else max(ctx.bench_peak(max(1, threads // 2)) for _ in range(2))
     for r in result["strategies"].values():
         r["mfu"] = mfu(r["tokens_per_s"], ctx.flops_per_token, 2, peak_per_worker)
     if not pipelines:
         result["mfu"] = mfu(result["cs3_tokens_per_s"], ctx.flops_per_token, 1, peak)
         result["baseline_mfu"] = mfu(result["baseline_tokens_per_s"], ctx.flops_per_token, 1, peak)
-    return {"config": config, "threads": threads, "cpu_features": cpu_features(), "pipelines": pipelines,
+    return {"config": config, "device": device, "card": device_name(device), "precision": ctx.precision,
+            "threads": threads, "cpu_features": cpu_features(), "pipelines": pipelines,
             "peak_flops": peak, "peak_flops_per_worker_of_2": peak_per_worker,
             "flops_per_token": ctx.flops_per_token, "rounds": ROUNDS, "steps_per_run": ctx.steps,
             "steady_rule": {"first": FIRST, "window": STEADY_WINDOW, "drift": DRIFT, "least": LEAST},
@@ -194,9 +235,10 @@ def _overhead(ctx: _Context, root: str) -> dict[str, Any]:
         for mode in ONE_WORKER_MODES[rnd % 3:] + ONE_WORKER_MODES[:rnd % 3]:
             t0 = time.perf_counter()
             if mode == "plain":
-                times = plain_loop(ctx.base, ctx.data, ctx.threads, ctx.steps)
+                times = plain_loop(ctx.base, ctx.data, ctx.threads, ctx.steps, ctx.device)
             elif mode == "ray_train":
-                times = ray_train_peer(ctx.base, ctx.data, ctx.threads, ctx.steps, os.path.join(root, "ray-train"))
+                times = ray_train_peer(ctx.base, ctx.data, ctx.threads, ctx.steps, os.path.join(root, "ray-train"),
+                                       ctx.device)
             else:
                 one = cs3_run(ctx.config, one_worker, root, f"one-{rnd}")
                 times = one["step_s"]
@@ -208,7 +250,9 @@ def _overhead(ctx: _Context, root: str) -> dict[str, Any]:
             f"{'' if this[m]['steady'] else ' (not steady)'} ({this[m]['wall_s']:.0f})" for m in ONE_WORKER_MODES))
     strategies: dict[str, dict[str, Any]] = {}
     per_worker_batch = max(1, ctx.base.train.batch_size // 2)
-    for strategy in STRATEGIES:
+    if not ctx.two_worker_runs:
+        ctx.log("one GPU: the 2-worker runs are left out (each worker holds a GPU)")
+    for strategy in STRATEGIES if ctx.two_worker_runs else ():
         ctx.log(f"cs3ray, 2 workers, {strategy}")
         r = strategies[strategy] = ctx.two_workers([f"train.batch_size={per_worker_batch}",
                                                     f"parallel.strategy={strategy}"], root, strategy)
@@ -217,14 +261,14 @@ def _overhead(ctx: _Context, root: str) -> dict[str, Any]:
     ratios = {**stats.summarize("overhead_ratio", [c / p for c, p in zip(rate["cs3ray"], rate["plain"], strict=True)]),
               **stats.summarize("overhead_vs_ray_train",
                                 [c / p for c, p in zip(rate["cs3ray"], rate["ray_train"], strict=True)])}
-    ddp_state = strategies["ddp"]["state_bytes_per_worker"] or 1
+    ddp_state = (strategies["ddp"]["state_bytes_per_worker"] or 1) if strategies else None
     return {
         "baseline_tokens_per_s": statistics.median(rate["plain"]), "baseline_runs_tokens_per_s": rate["plain"],
         "ray_train_tokens_per_s": statistics.median(rate["ray_train"]), "ray_train_runs_tokens_per_s": rate["ray_train"],
         "cs3_tokens_per_s": statistics.median(rate["cs3ray"]), "cs3_runs_tokens_per_s": rate["cs3ray"],
         "runs": rounds, **ratios, "targets": TARGETS, "verdicts": stats.judge(ratios, TARGETS),
         "worker_reported_mfu": statistics.median(worker_mfu), "strategies": strategies,
-        "fsdp_state_ratio": (strategies["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state,
+        "fsdp_state_ratio": (strategies["fsdp"]["state_bytes_per_worker"] or 0) / ddp_state if ddp_state else None,
     }
 
 
