@@ -22,7 +22,8 @@ from typing import Any
 
 from .cluster import ClusterError, default_num_cpus
 from .cluster_env import export_cluster_env
-from .cluster_record import LocalCluster, clear_record, home, read_record, recorded_cluster, write_record
+from .cluster_record import (LocalCluster, clear_record, home, pid_running, read_record, recorded_cluster,
+                             write_record)
 from .ports import free_port
 from .ray_auth import MODE, disabled_by_user, ensure_token, use_token_auth
 
@@ -77,7 +78,7 @@ def _running(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
     except ChildProcessError:
-        return True
+        return pid_running(pid)  # another's (`cs3 down` after `cs3 up`): a zombie there has exited too
 
 
 def alive_nodes(dashboard_url: str) -> list[Any]:
