@@ -22,8 +22,7 @@ from typing import Any
 
 from .cluster import ClusterError, default_num_cpus
 from .cluster_env import export_cluster_env
-from .cluster_record import (LocalCluster, clear_record, home, pid_running, read_record, recorded_cluster,
-                             write_record)
+from .cluster_record import LocalCluster, clear_record, home, pid_running, read_record, recorded_cluster, write_record
 from .ports import free_port
 from .ray_auth import MODE, disabled_by_user, ensure_token, use_token_auth
 
