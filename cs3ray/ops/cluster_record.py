@@ -30,10 +30,22 @@ class LocalCluster:
 
     def alive(self) -> bool:
         """The head process still runs."""
-        try:
-            os.kill(self.pids[0], 0)
-        except (OSError, IndexError):
-            return False
+        return bool(self.pids) and pid_running(self.pids[0])
+
+
+def pid_running(pid: int) -> bool:
+    """The process exists and is not a zombie: a `ray start` that `cs3 up` left behind is nobody's child once
+    `cs3 up` has exited, and where init does not reap orphans (a container's) it stays a zombie after exiting."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc")  # gone meanwhile; or no procfs (macOS): the live pid is it
+    except (OSError, IndexError):
         return True
 
 

@@ -22,11 +22,12 @@ from typing import Any
 
 from .cluster import ClusterError, default_num_cpus
 from .cluster_env import export_cluster_env
-from .cluster_record import LocalCluster, clear_record, home, read_record, recorded_cluster, write_record
+from .cluster_record import LocalCluster, clear_record, home, pid_running, read_record, recorded_cluster, write_record
 from .ports import free_port
 from .ray_auth import MODE, disabled_by_user, ensure_token, use_token_auth
 
 LOOPBACK_START = "cs3ray.ops.loopback_start"  # `ray start` keeping a loopback node address
+DRAIN_TIMEOUT = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # how long a SIGTERMed `ray start` drains its node first
 # As many logical CPUs as the embedded cluster of configs/tiny.yaml (2 workers of 1 CPU) declares.
 DEFAULT_CPUS = default_num_cpus(2, 1)
 
@@ -45,6 +46,9 @@ def parse_labels(text: str | None) -> dict[str, str]:
 def _start(args: list[str], log: str, host: str) -> int:
     # `ray start` enables token auth only when a token already exists: the mode is set, never left to chance.
     env = dict(os.environ) if disabled_by_user() else dict(os.environ, **{MODE: "token"})
+    # `cs3 down` stops every node at once: Ray's drain on SIGTERM (up to 30 s waiting for the node to go idle, so
+    # that a rolling upgrade's Serve proxies can quiesce) has no other node to hand work to. The user's value is kept.
+    env.setdefault(DRAIN_TIMEOUT, "0")
     ray = [sys.executable, "-m", LOOPBACK_START] if ipaddress.ip_address(host).is_loopback else ["ray"]
     with open(log, "ab") as out:
         proc = subprocess.Popen([*ray, "start", "--block", "--disable-usage-stats", *args], stdout=out,
@@ -77,7 +81,7 @@ def _running(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
     except ChildProcessError:
-        return True
+        return pid_running(pid)  # another's (`cs3 down` after `cs3 up`): a zombie there has exited too
 
 
 def alive_nodes(dashboard_url: str) -> list[Any]:

@@ -2,7 +2,7 @@
 
 Each node has room for one worker (1 CPU), so the run's 2 workers span both; the second node carries a
 `spot` resource, as a spot pool's nodes would. Mid-run that node is drained as an autoscaler does on a spot
-reclaim (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 20`); once the
+reclaim (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 12`); once the
 run has snapshotted the step a replacement node joins, and the drained node is removed, as the platform
 would, once the group has restarted without it. In the restarted group a worker then gets SIGTERM. The run finishes, its data trace holds the exact global order
 (no step lost or trained twice), and each restart names its cause: the preemption.
@@ -84,7 +84,7 @@ def test_a_drained_node_and_a_sigterm_cost_no_step(spot_cluster, tmp_path):
         _wait_for(log, lambda e: e["event"] == "progress" and e["step"] >= 2, proc)
         drain = subprocess.run(["ray", "drain-node", "--address", cluster.address, "--node-id", spot.node_id,
                                 "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                                "--deadline-remaining-seconds", "20"], env=env, capture_output=True, text=True,
+                                "--deadline-remaining-seconds", "12"], env=env, capture_output=True, text=True,
                                timeout=120)
         assert drain.returncode == 0, drain.stderr[-2000:]
         snap = _wait_for(log, lambda e: e["event"] == "checkpoint" and e.get("trigger") == "preemption", proc)

@@ -97,6 +97,9 @@ def main(run_dir: str) -> None:
         stop.set()
         runner.join(timeout=300)
         ray.shutdown()
+        # SIGKILL: a graceful stop of each node takes many seconds here, and nothing is left to save.
+        for node in [*cluster.worker_nodes, cluster.head_node]:
+            cluster.remove_node(node, allow_graceful=False)
         cluster.shutdown()
     summary = result.get("summary")
     print(json.dumps({"starts": starts, "summary": summary}))
