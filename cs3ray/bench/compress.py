@@ -63,6 +63,10 @@ BUDGET_S = 540.0
 TIMED_ROUNDS, QUICK_TIMED_ROUNDS = 8, 2  # overlap timing: the first seed only
 LAST = 10  # final_loss: mean of the last steps' loss (less noise than one step)
 HELDOUT, QUICK_HELDOUT = 16, 2  # validation batches per rank for heldout_loss, the same for every codec
+SHAPE = ("train.batch_size=4", "train.seq_len=64")  # rows of tiny.yaml's model per rank and step
+# --quick: a quarter of the tokens a step (the same model, so the same gradients' bytes) and a smaller corpus: CPUs
+# without fp16 matmul hardware run precision=fp16 ~25x slower than fp32, and the smoke run reads a few hundred rows.
+QUICK_SHAPE = ("train.batch_size=2", "train.seq_len=32", "data.max_bytes=1000000")
 MARGIN_PCT = 2.0  # non-inferiority margin on the held-out loss delta against none
 POWERSGD = "torch_powersgd"  # at the rank whose bytes match int4_sparse's
 DDP_CODECS = ("none", "int8", "int4_sparse", "torch_bf16_hook", "torch_quant_pertensor_hook", POWERSGD)
@@ -524,7 +528,7 @@ def run(quick: bool = False, steps: int | None = None, seeds: int | None = None,
     steps = steps or (QUICK_STEPS if quick else STEPS)
     seeds = seeds or (QUICK_SEEDS if quick else SEEDS)
     rounds = QUICK_TIMED_ROUNDS if quick else TIMED_ROUNDS
-    ov = ["train.batch_size=4", "train.seq_len=64", "compression.warmup_steps=0", *overrides]
+    ov = [*(QUICK_SHAPE if quick else SHAPE), "compression.warmup_steps=0", *overrides]
     cfg = load_config(CONFIG, ov)
     log(f"preparing data for {CONFIG}")
     shards, manifest = prepare_data(cfg)

@@ -23,6 +23,7 @@ from cs3ray.ops.soak import judge_all
 
 CHECKPOINT_EVERY = 20
 LOAD_RATE = 2.0  # requests a second, each 16-32 tokens out
+KILL_TIMEOUT_S = 180.0  # at least this long for each stage of the killed worker's recovery (a loaded host is slow)
 
 
 def _sampler_class():
@@ -124,9 +125,11 @@ def run(duration_s: float, interval_s: float = 60.0, address: str | None = None,
                     loader = in_thread(lambda: _serve_load(run_dir, done, counts))
                 if killer is None and elapsed >= duration_s / 3:
                     step = max((e["step"] for e in list(seen) if e["event"] == "progress"), default=0)
-                    killer = in_thread(lambda step=step: kill_once(lambda: list(seen), step, max(60.0, duration_s)))
+                    killer = in_thread(lambda step=step: kill_once(lambda: list(seen), step, max(KILL_TIMEOUT_S, duration_s)))
                 time.sleep(max(0.0, interval_s - (time.monotonic() - started - elapsed)))
         finally:
+            if killer is not None:  # the killed worker's recovery is part of the work: seen before the run is stopped
+                killer[0].join(timeout=600)
             stop.set()  # the run checkpoints and ends; the load stops after its current replay
             done.set()
             for part in (loader, killer):

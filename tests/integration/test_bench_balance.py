@@ -12,10 +12,16 @@ import pytest
 from conftest import run_cs3
 
 
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    """One working folder for both stragglers: the second run finds the shards the first prepared."""
+    return tmp_path_factory.mktemp("balance")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("straggler", ["burn", "contention"])
-def test_quick_run_resplits_towards_the_faster_rank(tmp_path, straggler):
-    proc = run_cs3(["bench", "balance", "--quick", "--straggler", straggler, "--json"], cwd=tmp_path, timeout=600)
+def test_quick_run_resplits_towards_the_faster_rank(bench_dir, straggler):
+    proc = run_cs3(["bench", "balance", "--quick", "--straggler", straggler, "--json"], cwd=bench_dir, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["straggler"] == straggler

@@ -1,4 +1,4 @@
-"""`cs3 validate --soak` as a smoke test (2 minutes, a sample every 10 s): the work runs (training with a killed
+"""`cs3 validate --soak` as a smoke test (1 minute, a sample every 5 s): the work runs (training with a killed
 worker, checkpoints, a served load) and every series is fitted; bad durations are one line, exit 2."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ def test_bad_soak_durations_are_one_line():
 
 @pytest.mark.slow
 def test_a_short_soak_runs_the_work_and_fits_every_series(tmp_path):
-    proc = run_cs3(["validate", "--soak", "2m", "--soak-interval", "10s", "--json"], cwd=tmp_path, timeout=600)
+    proc = run_cs3(["validate", "--soak", "1m", "--soak-interval", "5s", "--json"], cwd=tmp_path, timeout=600)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The --json line: the last one that is JSON (Ray's driver may print a raylet warning to stdout after it).
+    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert r["samples"] >= 10 and r["training_steps"] > 0 and r["restarts"] >= 1 and r["checkpoints"] >= 1
     assert r["requests"] > 0 and r["errors"] == 0
     series = r["soak"]["series"]
