@@ -9,6 +9,7 @@ of a table of figures that measured nothing. Bad input stays a UserError: exit c
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable, Iterable
 
 from rich.console import Console
@@ -73,3 +74,5 @@ def emit(title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], resu
     console.print(table)
     if as_json:
         print(json.dumps(result), flush=True)
+        # It stays stdout's last line: what Ray's log thread prints later (a raylet's warning) goes to stderr.
+        sys.stdout = sys.stderr
