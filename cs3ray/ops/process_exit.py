@@ -29,10 +29,10 @@ def exit_code(code: object) -> int:
 def exit_now(code: object = 0) -> None:
     """Finish as `sys.exit(code)` would, without the interpreter's teardown."""
     status = exit_code(code)
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    if threading.current_thread() is threading.main_thread():
+        # What the interpreter's exit does first: the threading exit hooks (thread pools let their idle
+        # workers go), then a join of every thread that is not a daemon.
+        threading._shutdown()  # noqa: SLF001
     try:
         atexit._run_exitfuncs()  # noqa: SLF001 - the handlers a normal exit runs, in their order
     finally:

@@ -17,6 +17,8 @@ from cs3ray.ops.process_exit import exit_now
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.2), (out / "thread").write_text("done"))).start()
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(2).submit(lambda: None).result()  # an idle pool, never shut down: its workers must not hang the exit
 print("buffered, never flushed by hand", end="")
 exit_now({code})
 """
