@@ -37,9 +37,15 @@ app.add_typer(runs_app, name="runs")
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point; the process ends as soon as the command has (cs3ray.ops.process_exit)."""
+    from cs3ray.ops.process_exit import exit_now
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    app()
+    try:
+        app()
+    except SystemExit as exc:  # typer ends every command with one, its status included
+        exit_now(exc.code)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -52,4 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from cs3ray.ops.process_exit import exit_now
+
+    exit_now(main())  # the job ends once its summary is out, not after the interpreter's teardown

@@ -56,24 +56,47 @@ def ray_client(ray_head):
     ray.shutdown()
 
 
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
 @pytest.fixture(scope="session")
 def short_run(ray_head, tmp_path_factory):
     """`short_run(precision)`: (run dir, summary) of 4 steps of a small model that `cs3 train` ran on the
     session's head in that precision, trained once per precision (bf16 is emulated on AVX2-only CPUs).
-    One worker: the strategies across ranks run in every precision in tests/unit/test_core_equivalence.py."""
+    One worker: the strategies across ranks run in every precision in tests/unit/test_core_equivalence.py.
+    The first call trains both half precisions side by side (the suite uses both): most of a short run is
+    starting processes, which two runs overlap. The second starts once the first has written its config,
+    after the data preparation they share."""
     import json
+    import time
 
     runs: dict[str, tuple[Path, dict]] = {}
 
+    def start(precision: str) -> tuple[Path, subprocess.Popen]:
+        run_dir = tmp_path_factory.mktemp(f"short-{precision}") / "run"
+        args = ["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"precision={precision}",
+                "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
+                "train.seq_len=32", "train.batch_size=4", "train.steps=4", "train.warmup_steps=0",
+                "train.log_every=1", "train.eval_every=4", "checkpoint.every=4", "cluster.workers=1",
+                "--address", ray_head.address, "--json"]
+        return run_dir, subprocess.Popen(["cs3", *args], env=ray_head.env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+
     def train(precision: str) -> tuple[Path, dict]:
         if precision not in runs:
-            run_dir = tmp_path_factory.mktemp(f"short-{precision}") / "run"
-            proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"precision={precision}",
-                            "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
-                            "train.seq_len=32", "train.batch_size=4", "train.steps=4", "train.warmup_steps=0",
-                            "train.log_every=1", "train.eval_every=4", "checkpoint.every=4", "cluster.workers=1",
-                            "--address", ray_head.address, "--json"], env=ray_head.env(), check=True)
-            runs[precision] = run_dir, json.loads(proc.stdout.strip().splitlines()[-1])
+            others = HALF_PRECISIONS if precision in HALF_PRECISIONS else ()
+            wanted = [precision, *(p for p in others if p != precision and p not in runs)]
+            started = [start(wanted[0])]
+            deadline = time.time() + 300
+            while len(wanted) > 1 and time.time() < deadline and started[0][1].poll() is None \
+                    and not (started[0][0] / "config.yaml").exists():
+                time.sleep(0.2)
+            started += [start(p) for p in wanted[1:]]
+            for p, (run_dir, proc) in zip(wanted, started, strict=True):
+                out, err = proc.communicate(timeout=600)
+                if proc.returncode != 0:
+                    raise AssertionError(f"cs3 train precision={p} exited {proc.returncode}:\n{out}\n{err}")
+                runs[p] = run_dir, json.loads(out.strip().splitlines()[-1])
         return runs[precision]
     return train
 

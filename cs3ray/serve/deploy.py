@@ -171,6 +171,9 @@ def placement(s: ServeConfig) -> dict[str, Any]:
             "placement_group_strategy": "PACK"}
 
 
+GRACEFUL_SHUTDOWN_POLL_S = 0.2
+
+
 def build_app(spec: ServeSpec):
     """The Serve application for `spec`: replica resources and autoscaling from its serve section."""
     from .app import LLMServer
@@ -184,7 +187,11 @@ def build_app(spec: ServeSpec):
                                # Bounded: past it Serve answers 503 at once (its default queues forever).
                                "max_queued_requests": s.max_queued_requests,
                                # A stream in flight finishes before its replica is retired.
-                               "graceful_shutdown_timeout_s": s.request_timeout_s}
+                               "graceful_shutdown_timeout_s": s.request_timeout_s,
+                               # How often a retiring replica looks for requests still in flight. Serve's 2 s
+                               # is also what an idle replica sleeps before its first look, on every stop,
+                               # redeploy and scale-down; a count of requests is cheap to take 5 times a second.
+                               "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_POLL_S}
     if s.min_replicas is not None and s.max_replicas is not None:
         if s.min_replicas > s.max_replicas:
             raise UserError(f"serve.min_replicas={s.min_replicas} is above serve.max_replicas={s.max_replicas}.")

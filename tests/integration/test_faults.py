@@ -148,7 +148,10 @@ def test_a_worker_error_restarts_the_group_and_says_why(ray_head, tmp_path):
         proc = subprocess.run(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=8",
                                "train.log_every=1", "train.eval_every=100", "checkpoint.every=2", "cluster.workers=1",
                                "cluster.max_failures=1", "train.batch_size=8", "precision=fp32",
-                               "data.transform=tests.helpers.transforms:fail_once", "--address", ray_head.address],
+                               "data.transform=tests.helpers.transforms:fail_once", "train.eval_batches=1",
+                               # a ~0.1M-parameter model: what is checked is the restart and its cause
+                               "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
+                               "--address", ray_head.address],
                               cwd=ROOT, env=ray_head.env(), capture_output=True, text=True, timeout=400)
     finally:
         FAILED_ONCE.unlink(missing_ok=True)

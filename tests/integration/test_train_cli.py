@@ -16,6 +16,10 @@ from cs3ray_cli.main import app
 
 from conftest import ROOT, TRAINED_STEPS, run_cs3
 
+# A ~0.1M-parameter model and short evaluations where what is checked is the run's flow, not what it learns.
+SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128", "train.eval_batches=2",
+         "precision=fp32"]
+
 
 def _events(run_dir):
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -102,7 +106,8 @@ def test_unreachable_cluster_is_one_line_and_leaves_no_run(tmp_path):
 def test_sigint_leaves_a_checkpoint_that_resume_continues(ray_head, tmp_path):
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen(["cs3", "train", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=2000",
-                             "train.batch_size=8", "train.log_every=1", "checkpoint.every=1000", "--address", ray_head.address],
+                             "train.batch_size=8", "train.log_every=1", "checkpoint.every=1000", *SMALL, "--address",
+                             ray_head.address],
                             cwd=ROOT, env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = run_dir / "events.jsonl"
     deadline = time.time() + 240
@@ -121,7 +126,8 @@ def test_sigint_leaves_a_checkpoint_that_resume_continues(ray_head, tmp_path):
     initial = next(e for e in _events(run_dir) if e["event"] == "eval")["val_loss"]
 
     proc = run_cs3(["train", "configs/tiny.yaml", f"run.dir={run_dir}", f"train.steps={stopped_at + 3}",
-                    "train.batch_size=8", "train.log_every=1", "train.eval_every=1000", "--resume", "--address", ray_head.address,
+                    "train.batch_size=8", "train.log_every=1", "train.eval_every=1000", *SMALL, "--resume", "--address",
+                    ray_head.address,
                     "--json"], env=ray_head.env(), check=True)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == stopped_at + 3
@@ -142,7 +148,7 @@ def test_ray_job_submit_runs_the_job_entrypoint(ray_head, tmp_path):
         ["ray", "job", "submit", "--working-dir", ".", "--runtime-env-json",
          json.dumps({"excludes": ["runs/", ".cs3/", ".git/", "*.egg-info/"]}), "--",
          "python", "jobs/train.py", "configs/tiny.yaml", f"run.dir={run_dir}", "train.steps=4", "train.batch_size=8",
-         "train.eval_every=4", "train.log_every=2"],
+         "train.eval_every=4", "train.log_every=2", "cluster.workers=1", *SMALL],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '"summary"' in proc.stdout

@@ -226,3 +226,5 @@ def test_serve_queues_a_bounded_number_of_requests(tmp_path):
     make_checkpoint(tmp_path / "run")
     spec = make_spec(str(tmp_path / "run"), overrides={"max_queued_requests": 3})
     assert build_app(spec)._bound_deployment._deployment_config.max_queued_requests == 3
+    # A retiring replica that has nothing in flight goes at once, not after Serve's 2 s first wait.
+    assert build_app(spec)._bound_deployment._deployment_config.graceful_shutdown_wait_loop_s == 0.2
