@@ -64,6 +64,9 @@ def measured(name: str, run: Callable[..., dict[str, Any]], *args: Any, **kwargs
     return result
 
 
+_JSON_STREAMS: list[Any] = []
+
+
 def emit(title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], result: dict[str, Any],
          as_json: bool, console: Console | None = None) -> None:
     """Print the table (to stderr when --json, so stdout's last line is the JSON object)."""
@@ -75,4 +78,6 @@ def emit(title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]], resu
     if as_json:
         print(json.dumps(result), flush=True)
         # It stays stdout's last line: what Ray's log thread prints later (a raylet's warning) goes to stderr.
+        # The stream is kept referenced, so a caller reading it afterwards (a test's runner) finds it open.
+        _JSON_STREAMS.append(sys.stdout)
         sys.stdout = sys.stderr

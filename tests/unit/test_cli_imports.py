@@ -15,7 +15,9 @@ def heavy_modules_after(code: str) -> list[str]:
     check = f"\nimport sys\nprint('heavy:', *(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    return out.stdout.splitlines()[-1].split()[1:]
+    heavy = [line for line in out.stdout.splitlines() if line.startswith("heavy:")]
+    assert heavy, out.stdout[-500:]  # the check ran after the command
+    return heavy[-1].split()[1:]
 
 
 def test_importing_the_cli_imports_no_heavy_module():
@@ -23,18 +25,19 @@ def test_importing_the_cli_imports_no_heavy_module():
 
 
 def test_help_imports_no_heavy_module():
-    # --help builds every command's options, as any `cs3` invocation does before running one.
-    code = ("import sys\nfrom cs3ray_cli.main import main\nsys.argv = ['cs3', '--help']\n"
-            "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
+    # --help builds every command's options, as any `cs3` invocation does before running one. The app
+    # itself, not main(): main() ends the process once the command is done (cs3ray.ops.process_exit).
+    code = ("import sys\nfrom cs3ray_cli.main import app\nsys.argv = ['cs3', '--help']\n"
+            "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
     assert heavy_modules_after(code) == []
 
 
 def test_config_commands_run_without_torch(tmp_path):
     # Reading, checking and explaining a job config needs a model's shape, never a model.
     for args in (["config", "explain"], ["config", "show", "configs/tiny.yaml"]):
-        code = ("import sys\nfrom cs3ray_cli.main import main\n"
+        code = ("import sys\nfrom cs3ray_cli.main import app\n"
                 f"sys.argv = ['cs3', *{args!r}]\n"
-                "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
+                "try:\n    app()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code")
         assert heavy_modules_after(code) == [], args
 
 
