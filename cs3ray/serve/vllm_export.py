@@ -45,17 +45,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def run_cache(cache_dir: str | None, run_url: str) -> Path:
+    """The cache folder of `run_url`'s exports."""
+    return Path(os.path.expanduser(cache_dir or DEFAULT_CACHE)) / run_key(run_url)
+
+
 def export_path(cache_dir: str | None, run_url: str, step: int, dtype: torch.dtype) -> Path:
     """Where the export of `run_url`'s `step` in `dtype` lives in the cache."""
-    root = Path(os.path.expanduser(cache_dir or DEFAULT_CACHE))
-    return root / run_key(run_url) / f"step-{step:08d}-{dtype_name(dtype)}"
+    return run_cache(cache_dir, run_url) / f"step-{step:08d}-{dtype_name(dtype)}"
 
 
 @contextlib.contextmanager
 def export_lock(cache_dir: str | None, run_url: str, dtype: torch.dtype) -> Iterator[None]:
     """Held while one process looks for, or writes, an export of `run_url` in `dtype`: replicas starting
     together on a node wait for the first one's export instead of each converting the whole model."""
-    where = export_path(cache_dir, run_url, 0, dtype).parent
+    where = run_cache(cache_dir, run_url)
     where.mkdir(parents=True, exist_ok=True)
     with open(where / f".export-{dtype_name(dtype)}.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
