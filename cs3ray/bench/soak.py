@@ -1,7 +1,7 @@
 """`cs3 validate --soak DURATION`: the cluster under a steady mix of work for DURATION, every Ray process sampled.
 
 The work is what a production cluster does: a training run that checkpoints every CHECKPOINT_EVERY
-steps and has one of its workers killed (SIGKILL) a third of the way in, and, from its first
+steps and has one of its workers killed (SIGKILL) a third of the way in (after its first checkpoint), and, from its first
 checkpoint, a served model under a steady open-loop load. Each INTERVAL every node reports its Ray
 processes' RSS, open descriptors and threads (and GPU memory), the driver the object store's use;
 cs3ray.ops.soak fits each series and fails those that would pass their limit in 72 hours.
@@ -123,7 +123,9 @@ def run(duration_s: float, interval_s: float = 60.0, address: str | None = None,
                 samples.append((elapsed, rows + [_object_store_row()]))
                 if loader is None and any(e["event"] == "checkpoint" for e in list(seen)):
                     loader = in_thread(lambda: _serve_load(run_dir, done, counts))
-                if killer is None and elapsed >= duration_s / 3:
+                # The kill waits for a checkpoint so that the restarted group restores one (a slow host may
+                # not have reached the first checkpoint a third of the way into a short soak).
+                if killer is None and elapsed >= duration_s / 3 and any(e["event"] == "checkpoint" for e in list(seen)):
                     step = max((e["step"] for e in list(seen) if e["event"] == "progress"), default=0)
                     killer = in_thread(lambda step=step: kill_once(lambda: list(seen), step, max(KILL_TIMEOUT_S, duration_s)))
                 time.sleep(max(0.0, interval_s - (time.monotonic() - started - elapsed)))
