@@ -362,7 +362,10 @@ class CacheConfig(Section):
 
 class ServeConfig(Section):
     replicas: int = Field(1, ge=1, description="Serve replicas when not autoscaling (each loads the model once).")
-    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs each replica reserves (fractional, so serving fits beside training); also torch's threads.")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs each replica reserves (fractional, so serving fits beside training); also torch's threads unless serve.threads is set.")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads of a built-in replica's decode step. Unset: its num_cpus (at least 1). "
+                                "Fewer than num_cpus leaves the replica's HTTP and asyncio work a core of its own.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (fractional shares a GPU between replicas).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound; set it and max_replicas to autoscale.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
@@ -408,6 +411,10 @@ class ServeConfig(Section):
     export_dir: str | None = Field(
         None, description="serve.engine=vllm: directory the Hugging Face exports are cached in, per run and step "
                           "(unset: ~/.cache/cs3ray/vllm); one every node mounts when a replica spans nodes.")
+
+    def torch_threads(self) -> int:
+        """torch threads of a built-in replica: serve.threads, or its CPU share (at least 1)."""
+        return self.threads or max(1, int(self.num_cpus))
 
 
 class JobConfig(Section):
