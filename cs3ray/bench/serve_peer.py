@@ -183,7 +183,7 @@ def round_order(i: int) -> tuple[str, ...]:
 
 def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...], dict[int, int], tuple[int, int]],
                rounds: Callable[[int], int], dtype: str, max_batch: int | None, clean: Callable[[dict], dict],
-               workdir: Path, log: Callable[[str], None]) -> dict:
+               workdir: Path, log: Callable[[str], None], eager: bool | None = None) -> dict:
     """The three sides x concurrencies on the Serve instance at `port` (a Ray cluster is up); the `peer` JSON."""
     from ray import serve
 
@@ -194,7 +194,8 @@ def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...
     cores = peer_cores()
     bind = ",".join(map(str, cores))
     overrides = {"dtype": dtype, "max_batch": max_batch, "num_cpus": float(len(cores)), "replicas": 1,
-                 "export_dir": str(workdir / "exports"), "max_ongoing_requests": 1024}
+                 "export_dir": str(workdir / "exports"), "max_ongoing_requests": 1024,
+                 "eager": eager}
     # A decode thread on every core fights the replica's own HTTP work and the proxy for them: measured
     # slower than one core fewer (docs/benchmarks.md).
     threads = max(1, len(cores) - 1)
