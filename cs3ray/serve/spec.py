@@ -40,7 +40,7 @@ class ServeSpec:
 
     def engine_options(self) -> EngineOptions:
         s = self.serve
-        return EngineOptions(max_batch=s.max_batch, kv_cache_mb=s.kv_cache_mb,
+        return EngineOptions(max_batch=s.builtin_batch(), kv_cache_mb=s.kv_cache_mb,
                              max_prefill_tokens=s.max_prefill_tokens, threads=s.torch_threads())
 
     def pacer(self) -> Pacer:

@@ -52,6 +52,7 @@ def test_serve_threads_sets_torch_threads_apart_from_the_cpus_reserved(tmp_path)
     make_checkpoint(tmp_path / "run", overrides=["serve.num_cpus=2"])
     spec = make_spec(str(tmp_path / "run"))
     assert spec.engine_options().threads == 2  # unset: the replica's CPU share
+    assert spec.serve.max_batch is None and spec.engine_options().max_batch == 16  # the built-in engine's default
     spec = make_spec(str(tmp_path / "run"), overrides={"threads": 1})
     _, actor = deployment_config(build_app(spec))
     assert spec.engine_options().threads == 1 and actor["num_cpus"] == 2.0
