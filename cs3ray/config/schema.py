@@ -360,9 +360,16 @@ class CacheConfig(Section):
     trace: bool = Field(False, description="Record the sample ids each rank trains on, one file per completed step, under <run dir>/data-trace/ (to audit the order).")
 
 
+# The built-in engine's running batch when serve.max_batch is unset (see its description).
+BUILTIN_MAX_BATCH = 16
+
+
 class ServeConfig(Section):
     replicas: int = Field(1, ge=1, description="Serve replicas when not autoscaling (each loads the model once).")
-    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs each replica reserves (fractional, so serving fits beside training); also torch's threads.")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs each replica reserves (fractional, so serving fits beside training); also torch's threads unless serve.threads is set.")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads of a built-in replica's decode step. Unset: its num_cpus (at least 1). "
+                                "Fewer than num_cpus leaves the replica's HTTP and asyncio work a core of its own.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (fractional shares a GPU between replicas).")
     min_replicas: int | None = Field(None, ge=0, description="Autoscaling lower bound; set it and max_replicas to autoscale.")
     max_replicas: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
@@ -376,11 +383,12 @@ class ServeConfig(Section):
         None, ge=1, description="Longest prompt in characters (a chat's whole transcript) a request may send; longer "
                                 "ones are refused (400) before tokenizing. Unset: the model's context times its "
                                 "longest token in bytes, past which no prompt fits.")
-    max_batch: int = Field(
-        16, ge=1, description="Sequences decoded together by continuous batching (1 disables batching). 16 keeps a "
-                              "CPU replica's p99 inter-token gap within 50 ms (more trades latency for throughput; "
-                              "docs/benchmarks.md); raise it on GPUs, where a step of many more sequences costs about "
-                              "what one of 16 does.")
+    max_batch: int | None = Field(
+        None, ge=1, description="Sequences decoded together by continuous batching (1 disables batching). Unset: "
+                                "16 for the built-in engine, which keeps a CPU replica's p99 inter-token gap within "
+                                "50 ms (more trades latency for throughput; docs/benchmarks.md; raise it on GPUs, "
+                                "where a step of many more sequences costs about what one of 16 does), and vLLM's "
+                                "own default (its max_num_seqs) for serve.engine=vllm.")
     kv_cache_mb: float = Field(256.0, gt=0, description="Memory budget of each replica's KV cache; requests queue while it is full.")
     max_prefill_tokens: int = Field(256, ge=1, description="Prompt tokens prefilled per engine step, so running streams keep flowing.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
@@ -408,6 +416,14 @@ class ServeConfig(Section):
     export_dir: str | None = Field(
         None, description="serve.engine=vllm: directory the Hugging Face exports are cached in, per run and step "
                           "(unset: ~/.cache/cs3ray/vllm); one every node mounts when a replica spans nodes.")
+
+    def builtin_batch(self) -> int:
+        """The built-in engine's running batch: serve.max_batch, or BUILTIN_MAX_BATCH."""
+        return self.max_batch or BUILTIN_MAX_BATCH
+
+    def torch_threads(self) -> int:
+        """torch threads of a built-in replica: serve.threads, or its CPU share (at least 1)."""
+        return self.threads or max(1, int(self.num_cpus))
 
 
 class JobConfig(Section):

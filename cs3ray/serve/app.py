@@ -86,7 +86,7 @@ async def read_json(request: Request) -> Any:
 
 def load_replica(spec: ServeSpec, device: str):
     """A replica's first steps: torch's threads from its CPU share, then the checkpoint on `device`."""
-    torch.set_num_threads(max(1, int(spec.serve.num_cpus)))
+    torch.set_num_threads(spec.serve.torch_threads())
     loaded = load_for_inference(spec.run, spec.storage_options, dtype=spec.dtype(device), trust_code=spec.trust_code,
                                 replicas=spec.ckpt_replicas, stored_replicas=spec.stored_replicas)
     loaded.model.to(device)

@@ -40,8 +40,8 @@ class ServeSpec:
 
     def engine_options(self) -> EngineOptions:
         s = self.serve
-        return EngineOptions(max_batch=s.max_batch, kv_cache_mb=s.kv_cache_mb,
-                             max_prefill_tokens=s.max_prefill_tokens, threads=max(1, int(s.num_cpus)))
+        return EngineOptions(max_batch=s.builtin_batch(), kv_cache_mb=s.kv_cache_mb,
+                             max_prefill_tokens=s.max_prefill_tokens, threads=s.torch_threads())
 
     def pacer(self) -> Pacer:
         """A replica's stream pacing: serve.stream_interval_ms, stretched past stream_events_per_s."""

@@ -52,7 +52,7 @@ class VLLMOptions:
 
     dtype: torch.dtype
     max_model_len: int  # the model's context: vLLM would otherwise size its cache for config.json's value
-    max_batch: int = 16  # vLLM's max_num_seqs
+    max_batch: int | None = None  # vLLM's max_num_seqs; None: vLLM's default for the device and entry point
     max_waiting: int = 1024  # requests queued beyond the running batch before a 503
     tp: int = 1
     pp: int = 1
@@ -65,11 +65,13 @@ class VLLMOptions:
         cpu = self.device == "cpu"
         args: dict[str, Any] = {
             "model": model_dir, "tokenizer": model_dir, "dtype": str(self.dtype).removeprefix("torch."),
-            "max_model_len": self.max_model_len, "max_num_seqs": self.max_batch,
+            "max_model_len": self.max_model_len,
             "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
             # CUDA graphs pay off on GPUs; on CPUs eager mode skips minutes of torch.compile at start.
             "enforce_eager": cpu if self.eager is None else self.eager, "disable_log_stats": True,
         }
+        if self.max_batch is not None:
+            args["max_num_seqs"] = self.max_batch
         if self.tp * self.pp > 1:
             # The workers go into the replica's placement group (its bundles, see deploy.build_app).
             args["distributed_executor_backend"] = "ray"
@@ -82,13 +84,16 @@ def start_llm(model_dir: str, options: VLLMOptions):
     """A started AsyncLLM over `model_dir`. Built in a thread with no event loop: its output handler then
     starts in whichever loop sends the first request (the replica's), not in a loop that may not run."""
     from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     out: dict[str, Any] = {}
 
     def build() -> None:
         try:
-            out["llm"] = AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args(model_dir)))
+            # A server's context: vLLM's defaults (max_num_seqs...) are then those of its own OpenAI server.
+            out["llm"] = AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args(model_dir)),
+                                                   usage_context=UsageContext.OPENAI_API_SERVER)
         except BaseException as exc:  # re-raised in the caller's thread
             out["error"] = exc
 
@@ -130,6 +135,8 @@ class VLLMEngine:
         self.metrics = metrics or NoMetrics()
         self._lock = threading.Lock()
         self._served = _Served(start_llm(model_dir, options), step)
+        # The running batch vLLM settled on (its own default where serve.max_batch is unset).
+        self._slots = self._served.llm.vllm_config.scheduler_config.max_num_seqs
         self._draining: list[_Served] = []
         self._tasks: dict[int, asyncio.Task] = {}
         self._next_id = 0
@@ -201,8 +208,8 @@ class VLLMEngine:
         with self._lock:
             inflight = len(self._tasks)
             busy = self._busy_s + (time.perf_counter() - self._busy_since if inflight else 0.0)
-            return {"running": min(inflight, self.options.max_batch), "waiting": self._waiting(),
-                    "slots": self.options.max_batch, "steps": self._steps, "busy_s": busy, "cpu_s": _cpu_seconds()}
+            return {"running": min(inflight, self._slots), "waiting": self._waiting(),
+                    "slots": self._slots, "steps": self._steps, "busy_s": busy, "cpu_s": _cpu_seconds()}
 
     def alive(self) -> bool:
         return not self._stopped and self._served.llm is not None and not self._served.llm.errored
@@ -213,7 +220,7 @@ class VLLMEngine:
 
     # --- plumbing ----------------------------------------------------------------------------
     def _waiting(self) -> int:
-        return max(0, len(self._tasks) - self.options.max_batch)
+        return max(0, len(self._tasks) - self._slots)
 
     def _begin(self, served: _Served) -> None:
         if not self._tasks:

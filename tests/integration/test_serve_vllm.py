@@ -44,7 +44,7 @@ def served(request, ray_client, tmp_path_factory):
     run = root / "run"
     make_checkpoint(run, step=1)
     spec = make_spec(str(run), name=NAME, token=TOKEN, follow=True,
-                     overrides={"engine": "vllm", "dtype": request.param, "max_batch": 8, "follow_interval_s": 1.0,
+                     overrides={"engine": "vllm", "dtype": request.param, "follow_interval_s": 1.0,
                                 "kv_cache_mb": 64, "export_dir": str(root / "exports")})
     url = deploy(spec, "127.0.0.1", port)
     yield url, run, spec, DTYPES[request.param]

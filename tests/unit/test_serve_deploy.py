@@ -48,6 +48,16 @@ def test_spec_reads_the_checkpoints_serve_section_with_cli_overrides(tmp_path):
     assert config.autoscaling_config is None
 
 
+def test_serve_threads_sets_torch_threads_apart_from_the_cpus_reserved(tmp_path):
+    make_checkpoint(tmp_path / "run", overrides=["serve.num_cpus=2"])
+    spec = make_spec(str(tmp_path / "run"))
+    assert spec.engine_options().threads == 2  # unset: the replica's CPU share
+    assert spec.serve.max_batch is None and spec.engine_options().max_batch == 16  # the built-in engine's default
+    spec = make_spec(str(tmp_path / "run"), overrides={"threads": 1})
+    _, actor = deployment_config(build_app(spec))
+    assert spec.engine_options().threads == 1 and actor["num_cpus"] == 2.0
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_named_precision_is_served_as_asked_on_cpu(tmp_path, precision):
     import torch

@@ -114,6 +114,7 @@ def test_vllm_start_arguments_and_placement():
     assert gpu["distributed_executor_backend"] == "ray" and (gpu["tensor_parallel_size"], gpu["pipeline_parallel_size"]) == (4, 2)
     assert not gpu["enforce_eager"] and "kv_cache_memory_bytes" not in gpu  # vLLM's share of GPU memory
     compiled = VLLMOptions(dtype=torch.bfloat16, max_model_len=128, eager=False).engine_args("/m")
+    assert "max_num_seqs" not in compiled  # serve.max_batch unset: vLLM's own default
     assert not compiled["enforce_eager"]  # serve.eager=false: vLLM's own default, compiled, on CPUs too
     assert VLLMOptions(dtype=torch.float16, max_model_len=64, device="cuda", eager=True).engine_args("/m")["enforce_eager"]
     split = placement(ServeConfig(engine="vllm", tp=4, pp=2, num_gpus=1, num_cpus=2))
