@@ -69,7 +69,8 @@ def _serve_load(run_dir: str, done: threading.Event, counts: dict[str, int]) -> 
     url = deploy(spec, "127.0.0.1", free_port())
     try:
         seed = 0
-        while not done.is_set():
+        # One replay at least: on a slow host the deployment can come up after the rest of the work has ended.
+        while seed == 0 or not done.is_set():
             rep = replay(url, spec.name, workload(8, rate=LOAD_RATE, seed=seed, output_tokens=(16, 32)))
             counts["requests"] += len(rep.results)
             counts["errors"] += sum(1 for r in rep.results if not r.ok)

@@ -108,3 +108,28 @@ class RunMetrics:
         """Report every gauge's latest value again (see the class doc)."""
         for key, value in self._gauges.items():
             self._metrics[key].set(value)
+
+    def close(self) -> None:
+        """Push the run's last figures to the node's agent before the driver exits (see `flush`)."""
+        self.refresh()
+        flush()
+
+
+# Ray's process exit pushes what was recorded since the last periodic export, bounded at 500 ms: on a
+# loaded node that bound lapses and a run's last step and tokens never reach the endpoint. Ray exposes no
+# Python call for the push; its C++ one is exported from the _raylet module.
+_FLUSH_SYMBOL = "_ZN3ray5stats12FlushMetricsEl"  # bool ray::stats::FlushMetrics(int64_t timeout_ms)
+
+
+def flush(timeout_s: float = 5.0) -> bool:
+    """Export this process's Ray metrics now; False where this Ray has no such call or the push failed."""
+    import ctypes
+
+    import ray._raylet
+
+    try:
+        push = getattr(ctypes.CDLL(ray._raylet.__file__), _FLUSH_SYMBOL)
+    except (OSError, AttributeError):  # another Ray build: its exit's own push is all there is
+        return False
+    push.restype, push.argtypes = ctypes.c_bool, [ctypes.c_int64]
+    return bool(push(int(timeout_s * 1000)))

@@ -316,6 +316,7 @@ def train(cfg: JobConfig, resume: bool = False, overwrite: bool = False, address
                 signal.signal(signal.SIGINT, previous)
             log.flush()
             close_loggers(loggers)
+            metrics.close()
         if "error" in outcome:
             run_log.error("training failed: %s", _worker_error(outcome["error"]))
             raise TrainingError(_worker_error(outcome["error"])) from None

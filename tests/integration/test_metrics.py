@@ -50,10 +50,11 @@ def cache_series(url: str, run: str) -> dict[str, list]:
             for name, samples in scrape(url, "ray_cs3_cache_").items()}
 
 
-def watch(cmd: list[str], env: dict, url: str, run: str, wanted: set[str]) -> tuple[dict[str, float], dict]:
-    """Run `cmd`, scraping every half second until it has ended and every wanted series was seen: the run's
-    figures, and the cache series seen while it ran or since (the node's cache actor outlives the run, and a
-    short run may end before that actor's first push)."""
+def watch(cmd: list[str], env: dict, url: str, run: str, wanted: set[str],
+          steps: int) -> tuple[dict[str, float], dict]:
+    """Run `cmd`, scraping every half second until it has ended, every wanted series was seen and the step gauge
+    reads the run's last step: the run's figures, and the cache series seen while it ran or since (the node's
+    cache actor outlives the run, and a short run may end before that actor's first push)."""
     seen: dict[str, float] = {}
     cache: dict[str, list] = {}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,7 +66,8 @@ def watch(cmd: list[str], env: dict, url: str, run: str, wanted: set[str]) -> tu
             if proc.poll() is not None:
                 # A finished driver's gauges linger on the endpoint a while: long enough for its last push.
                 ended = ended or time.time()
-                if (wanted <= seen.keys() and cache) or time.time() > ended + 20:
+                last = seen.get("ray_cs3_train_step") == steps
+                if (wanted <= seen.keys() and cache and last) or time.time() > ended + 20:
                     break
             time.sleep(0.5)
         out = proc.communicate(timeout=60)[0]
@@ -131,7 +133,7 @@ def test_metrics_endpoint_and_loggers_hold_the_runs_figures(ray_head, tmp_path, 
     later = {"ray_cs3_train_checkpoint_restore_seconds", "ray_cs3_train_step_comm_bytes", "ray_cs3_train_wire_ratio"}
 
     first, cache = watch([*base, "train.steps=3", "cluster.workers=1"], env, ray_head.metrics_url, "metered",
-                         names - later)
+                         names - later, steps=3)
     assert names - later <= first.keys(), sorted(names - later - first.keys())
     assert first["ray_cs3_train_step"] == 3 and first["ray_cs3_train_grad_norm"] > 0
     assert first["ray_cs3_train_checkpoint_save_seconds"] > 0
@@ -146,7 +148,7 @@ def test_metrics_endpoint_and_loggers_hold_the_runs_figures(ray_head, tmp_path, 
     # Resumed on 2 workers with int8 gradients in fp16 (a checkpoint loads in any precision): a restore, bytes
     # on the wire and a loss scale.
     second, cache = watch([*base, "--resume", "train.steps=6", "cluster.workers=2", "compression.codec=int8",
-                           "precision=fp16"], env, ray_head.metrics_url, "metered", names)
+                           "precision=fp16"], env, ray_head.metrics_url, "metered", names, steps=6)
     assert names <= second.keys(), sorted(names - second.keys())
     assert second["ray_cs3_train_step"] == 6 and second["ray_cs3_train_workers"] == 2
     assert second["ray_cs3_train_checkpoint_restore_seconds"] > 0

@@ -26,6 +26,7 @@ from cs3ray.serve.deploy import deploy, make_spec, shutdown, stop
 from conftest import run_cs3
 from helpers.prometheus import wait_serve_metrics
 from helpers.serve_checkpoints import make_checkpoint
+from helpers.serve_session import serve_running
 
 TOKEN = "s3cret-token"
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def http_port(ray_client):
     """One Serve HTTP proxy for this module (Serve has one per cluster); shut down at the end."""
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
+    with serve_running(free_port()) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

