@@ -23,6 +23,7 @@ from cs3ray.serve.sequence import GenRequest
 
 from conftest import run_cs3
 from helpers.serve_checkpoints import make_checkpoint
+from helpers.serve_session import serve_running
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 EOS = 257
@@ -134,33 +135,29 @@ def test_generate_on_cuda_through_the_cli(tmp_path, dtype):
 
 def test_the_vllm_engine_on_cuda(ray_client, tmp_path, record_property):
     pytest.importorskip("vllm")
-    from ray import serve
-
     from cs3ray.ops.ports import free_port
     from cs3ray.serve.deploy import deploy, make_spec, shutdown
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     run = tmp_path / "run"
     make_checkpoint(run, step=1)
     spec = make_spec(str(run), name="tiny-vllm-cuda", token="gpu-s3cret",
                      overrides={"engine": "vllm", "dtype": "bf16", "num_gpus": 1, "max_batch": 8,
                                 "export_dir": str(tmp_path / "exports")})
-    try:
-        url = deploy(spec, "127.0.0.1", port)
-        c = openai.OpenAI(base_url=f"{url}/v1", api_key="gpu-s3cret", max_retries=0, timeout=120)
-        t0 = time.perf_counter()
-        out = c.completions.create(model=spec.name, prompt="def main(", max_tokens=32, temperature=0)
-        seconds = time.perf_counter() - t0
-        assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
-        again = c.completions.create(model=spec.name, prompt="def main(", max_tokens=32, temperature=0)
-        assert again.choices[0].text == out.choices[0].text  # greedy is deterministic
-        with urllib.request.urlopen(f"{url}/healthz", timeout=30) as resp:
-            assert json.loads(resp.read())["dtype"] == "bfloat16"  # the precision vLLM runs, on the GPU
-        record_property("tokens_per_s", round(out.usage.completion_tokens / seconds, 1))
-    finally:
-        shutdown(spec.name)
-        serve.shutdown()
+    with serve_running(free_port()) as port:
+        try:
+            url = deploy(spec, "127.0.0.1", port)
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="gpu-s3cret", max_retries=0, timeout=120)
+            t0 = time.perf_counter()
+            out = c.completions.create(model=spec.name, prompt="def main(", max_tokens=32, temperature=0)
+            seconds = time.perf_counter() - t0
+            assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+            again = c.completions.create(model=spec.name, prompt="def main(", max_tokens=32, temperature=0)
+            assert again.choices[0].text == out.choices[0].text  # greedy is deterministic
+            with urllib.request.urlopen(f"{url}/healthz", timeout=30) as resp:
+                assert json.loads(resp.read())["dtype"] == "bfloat16"  # the precision vLLM runs, on the GPU
+            record_property("tokens_per_s", round(out.usage.completion_tokens / seconds, 1))
+        finally:
+            shutdown(spec.name)
 
 
 def test_validate_measures_the_gpus(ray_client):
